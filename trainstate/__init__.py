@@ -1,0 +1,51 @@
+"""trainstate: restartable PyTorch training.
+
+A run killed at any moment resumes from a checkpoint that is never
+half-written, never silently corrupt and never loaded blindly, and continues
+exactly as if it had never stopped::
+
+    import trainstate as ts
+
+    state = ts.TrainState(model=model, optimizer=opt, scheduler=sched, rngs={"data": gen},
+                          contract={"config": cfg, "class_names": classes})
+    with ts.CheckpointManager("runs/exp1", keep_last=3) as ckpt:
+        ckpt.restore(state)
+        while state.next_update < total_updates:
+            train_one_update()
+            state.next_update += 1
+            if state.next_update % 100 == 0:
+                ckpt.save(state)
+"""
+
+__version__ = "0.1.0"
+
+from .contract import fingerprint
+from .errors import (ContractMismatch, CorruptGeneration, DirectoryLocked, FieldChange, GenerationExists,
+                     NoValidGeneration, PendingGradients, Rejection, StateMismatch, TopologyMismatch,
+                     TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
+from .manager import CheckpointManager, GenerationInfo, RestoreInfo
+from .state import TrainState
+from .warmstart import warm_start
+
+__all__ = [
+    "CheckpointManager",
+    "ContractMismatch",
+    "CorruptGeneration",
+    "DirectoryLocked",
+    "FieldChange",
+    "GenerationExists",
+    "GenerationInfo",
+    "NoValidGeneration",
+    "PendingGradients",
+    "Rejection",
+    "RestoreInfo",
+    "StateMismatch",
+    "TopologyMismatch",
+    "TrainState",
+    "TrainStateError",
+    "UnsupportedValue",
+    "WeightsOnlyGeneration",
+    "__version__",
+    "fingerprint",
+    "warm_start",
+]

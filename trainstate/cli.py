@@ -1,0 +1,233 @@
+"""Command line: ``trainstate ls|verify|inspect|demo`` (also ``python -m trainstate``).
+
+Every command reads metadata through the same trusted reader as restore:
+nothing here unpickles, so it is safe to point at a hostile directory.
+Exit status: 0 success, 1 a verification failure or error, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import CorruptGeneration, TrainStateError
+from .localfs import LocalStore
+from .manifest import MANIFEST, POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
+from .verify import read_layouts, read_manifest, read_state_json, verify_generation
+
+
+def _open_target(target: str) -> tuple[LocalStore, list[str], bool]:
+    """A run directory (all generations) or a single generation directory."""
+    path = Path(target)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{target} is not a directory")
+    if parse_generation_name(path.name) and (path / MANIFEST).exists():
+        return LocalStore(path.parent, create=False), [path.name], True
+    return LocalStore(path, create=False), LocalStore(path, create=False).generations(), False
+
+
+def _pointers(store: LocalStore) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in (POINTER, WEIGHTS_POINTER):
+        data = store.read_pointer(name)
+        if data is None:
+            continue
+        try:
+            p = parse_pointer(data, name)
+            out[name] = {"generation": p.generation, "ok": True, "pointer": p}
+        except CorruptGeneration as exc:
+            out[name] = {"generation": None, "ok": False, "error": str(exc)}
+    return out
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store, names, _ = _open_target(args.directory)
+    pointers = _pointers(store)
+    latest = {v["generation"]: k for k, v in pointers.items() if v["ok"]}
+    rows = []
+    for name in names:
+        row: dict[str, Any] = {"generation": name, "update": parse_generation_name(name)[0],
+                               "kind": parse_generation_name(name)[1], "latest": latest.get(name)}
+        try:
+            v = verify_generation(store, name, content=args.full)
+            row.update(size=v.manifest_size + sum(f.size for f in v.manifest.files), created=v.manifest.created,
+                       state="verified" if args.full else "structure ok")
+        except (TrainStateError, OSError) as exc:
+            row.update(size=None, created=None, state=f"INVALID: {exc}")
+        rows.append(row)
+    report = {"directory": store.location, "generations": rows, "leftovers": store.leftovers(),
+              "pointers": {k: {kk: vv for kk, vv in v.items() if kk != "pointer"} for k, v in pointers.items()}}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"{'generation':<26}{'update':>10}  {'kind':<8}{'size':>12}  {'created':<33}{'latest':<16}state")
+    for r in rows:
+        size = "-" if r["size"] is None else f"{r['size']:,}"
+        print(f"{r['generation']:<26}{r['update']:>10}  {r['kind']:<8}{size:>12}  {r['created'] or '-':<33}"
+              f"{r['latest'] or '':<16}{r['state']}")
+    for name, p in report["pointers"].items():
+        if not p["ok"]:
+            print(f"pointer {name}: INVALID: {p['error']}")
+    for name in report["leftovers"]:
+        print(f"leftover from an interrupted save (removed by the next save): {name}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store, names, single = _open_target(args.target)
+    failures: list[dict[str, str]] = []
+    checked = []
+    for name in names:
+        try:
+            verify_generation(store, name)
+            checked.append(name)
+        except (TrainStateError, OSError) as exc:
+            failures.append({"generation": name, "error": str(exc)})
+    if not single:
+        for pname, p in _pointers(store).items():
+            if not p["ok"]:
+                failures.append({"generation": pname, "error": p["error"]})
+            elif p["generation"] not in checked:
+                failures.append({"generation": pname, "error": f"names {p['generation']}, which did not verify"})
+            else:
+                try:
+                    read_manifest(store, p["generation"], p["pointer"])
+                except TrainStateError as exc:
+                    failures.append({"generation": pname, "error": str(exc)})
+    if args.json:
+        print(json.dumps({"verified": checked, "failures": failures}, indent=1))
+    else:
+        for name in checked:
+            print(f"ok      {name}")
+        for f in failures:
+            print(f"FAILED  {f['generation']}: {f['error']}")
+        if not names:
+            print(f"no generations in {args.target}")
+    return 1 if failures else 0
+
+
+def _tree(node: Any, layouts: dict[str, dict[str, Any]]) -> Any:
+    """Replace tensor references by their dtype, shape and size, read from file headers."""
+    if type(node) is list:
+        return [_tree(v, layouts) for v in node]
+    if type(node) is dict:
+        if len(node) == 1 and ("$t" in node or "$nd" in node):
+            ref = next(iter(node.values()))
+            entry = layouts.get(ref) if type(ref) is str else None
+            if entry is None:
+                return {"tensor": ref, "error": "not found in any tensor file"}
+            return {"tensor": ref, "dtype": entry["dtype"], "shape": entry["shape"], "bytes": entry["bytes"]}
+        if len(node) == 1 and type(node.get("$map")) is list:
+            return {json.dumps(pair[0]) if type(pair[0]) is not str else pair[0]: _tree(pair[1], layouts)
+                    for pair in node["$map"] if type(pair) is list and len(pair) == 2}
+        if len(node) == 1 and type(node.get("$tuple")) is list:
+            return [_tree(v, layouts) for v in node["$tuple"]]
+        return {k: _tree(v, layouts) for k, v in node.items()}
+    return node
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    store, names, single = _open_target(args.generation)
+    if not single:
+        names = names[:1]
+        if not names:
+            print(f"no generations in {args.generation}", file=sys.stderr)
+            return 1
+    manifest, _, _ = read_manifest(store, names[0])
+    state = read_state_json(store, manifest)
+    layouts = {e.name: {"dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape), "bytes": e.nbytes}
+               for layout in read_layouts(store, manifest).values() for e in layout.entries}
+    report = {
+        "generation": manifest.generation, "kind": manifest.kind, "next_update": manifest.next_update,
+        "created": manifest.created, "digest_algorithm": manifest.digest_algorithm,
+        "files": [{"name": f.name, "size": f.size} for f in manifest.files], "versions": manifest.versions,
+        "parent": manifest.parent,
+        "clocks": state.get("clocks"), "counters": state.get("counters"), "facts": state.get("facts"),
+        "contract": state.get("contract"), "history": state.get("history"),
+        "components": _tree(state.get("components"), layouts),
+        "tensor_bytes": sum(v["bytes"] for v in layouts.values()),
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"{report['generation']}  kind={report['kind']}  next_update={report['next_update']}  "
+          f"created={report['created']}")
+    print(f"clocks: {report['clocks']}  counters: {report['counters']}")
+    if report["facts"]:
+        print(f"facts: {report['facts']}")
+    print(f"tensor data: {report['tensor_bytes']:,} bytes in {len(layouts)} tensors")
+    for name, comp in (report["components"] or {}).items():
+        print(f"{name}  ({comp.get('type') if type(comp) is dict else '?'})")
+        _print_tree(comp.get("state") if type(comp) is dict else comp, "  ")
+    fields = (report["contract"] or {}).get("fields", {}) if type(report["contract"]) is dict else {}
+    print("contract:")
+    for key, value in fields.items():
+        text = json.dumps(value)
+        print(f"  {key}: {text if len(text) < 100 else text[:97] + '...'}")
+    return 0
+
+
+def _print_tree(node: Any, indent: str) -> None:
+    if type(node) is dict and "tensor" in node and "dtype" in node:
+        print(f"{indent}{node['dtype']} {node['shape']} ({node['bytes']:,} B)")
+        return
+    if type(node) is dict:
+        for key, value in node.items():
+            if type(value) is dict and "tensor" in value and "dtype" in value:
+                print(f"{indent}{key}: {value['dtype']} {value['shape']} ({value['bytes']:,} B)")
+            elif type(value) in (dict, list):
+                print(f"{indent}{key}:")
+                _print_tree(value, indent + "  ")
+            else:
+                print(f"{indent}{key}: {json.dumps(value)}")
+    elif type(node) is list:
+        text = json.dumps(node)
+        print(f"{indent}{text if len(text) < 100 else text[:97] + '...'}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(directory=args.dir, seed=args.seed, kills=args.kills, json_output=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainstate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("ls", help="list generations, their state and which is latest")
+    p.add_argument("directory")
+    p.add_argument("--full", action="store_true", help="verify every file's digest, not just structure")
+    p.set_defaults(func=cmd_ls)
+    p = sub.add_parser("verify", help="verify every committed generation (exit 1 on any failure)")
+    p.add_argument("target", help="a run directory or one generation directory")
+    p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("inspect", help="show a generation's components, clocks and contract (no tensor data read)")
+    p.add_argument("generation", help="a generation directory, or a run directory for its newest")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("demo", help="train, SIGKILL at random moments, resume, and compare bitwise")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed after)")
+    p.add_argument("--seed", type=int, default=None, help="seed for the kill schedule (default: random)")
+    p.add_argument("--kills", type=int, default=6, help="how many SIGKILLs to deliver")
+    p.set_defaults(func=cmd_demo)
+    for p in sub.choices.values():
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (TrainStateError, OSError) as exc:
+        if getattr(args, "json", False):
+            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+        else:
+            print(f"trainstate {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The experiment contract: what gives the saved numbers their meaning.
+
+Pure logic. A contract is a flat mapping of field names to canonical JSON
+values: the user's fields (``config``, ``class_names``, ``data_manifest``,
+``tokenizer``, anything else) plus ``architecture.<component>`` for each
+``nn.Module`` (parameter and buffer names, shapes, dtypes). On restore the
+saved and live contracts are compared field by field, descending into
+nested config dicts so a change is named precisely (``config.optim.lr``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import FieldChange, UnsupportedValue
+
+_ABSENT = "<absent>"
+
+
+def canonical(value: Any, path: str) -> Any:
+    """A JSON-native copy of ``value`` (tuples become lists), or UnsupportedValue."""
+    if value is None or type(value) in (bool, str, int):
+        return value
+    if type(value) is float:
+        if not math.isfinite(value):
+            raise UnsupportedValue(path, value, "Contract values must be finite numbers.")
+        return value
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return canonical(value.item(), path)
+    if isinstance(value, (list, tuple)):
+        return [canonical(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if type(k) is not str:
+                raise UnsupportedValue(f"{path} (key {k!r})", k, "Contract dict keys must be strings.")
+            out[k] = canonical(v, f"{path}.{k}")
+        return out
+    raise UnsupportedValue(path, value, "Contract values must be JSON-like (dict, list, str, number, bool, None); "
+                           "pass a fingerprint string for anything else.")
+
+
+def fingerprint(value: Any) -> str:
+    """SHA-256 of the canonical JSON of ``value``: for a tokenizer, vocabulary or any JSON-like object."""
+    data = json.dumps(canonical(value, "value"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def architecture(module: torch.nn.Module) -> list[list]:
+    """``[name, shape, dtype]`` for every parameter and buffer in the module's state dict."""
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
+            for name, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
+
+
+def build(user_fields: Mapping[str, Any], modules: Mapping[str, torch.nn.Module]) -> dict[str, Any]:
+    fields = {name: canonical(value, f"contract.{name}") for name, value in user_fields.items()}
+    for name, module in modules.items():
+        fields[f"architecture.{name}"] = architecture(module)
+    return fields
+
+
+def versions() -> dict[str, str]:
+    """Recorded with every generation, never enforced."""
+    from . import __version__
+
+    return {"trainstate": __version__, "torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version()}
+
+
+def compare(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[FieldChange]:
+    """Every differing field, with nested dicts compared key by key."""
+    changes: list[FieldChange] = []
+    for name in sorted(set(saved) | set(live)):
+        _diff(name, saved.get(name, _ABSENT), live.get(name, _ABSENT), changes)
+    return changes
+
+
+def _diff(path: str, old: Any, new: Any, out: list[FieldChange]) -> None:
+    if type(old) is dict and type(new) is dict:
+        for key in list(old) + [k for k in new if k not in old]:
+            _diff(f"{path}.{key}", old.get(key, _ABSENT), new.get(key, _ABSENT), out)
+    elif path.startswith("architecture.") and type(old) is list and type(new) is list:
+        _diff_architecture(path, old, new, out)
+    elif old != new or type(old) is not type(new):
+        out.append(FieldChange(path, old, new))
+
+
+def _diff_architecture(path: str, old: list, new: list, out: list[FieldChange]) -> None:
+    old_map = {e[0]: e[1:] for e in old if type(e) is list and e}
+    new_map = {e[0]: e[1:] for e in new if type(e) is list and e}
+    before = len(out)
+    for key in list(old_map) + [k for k in new_map if k not in old_map]:
+        if old_map.get(key) != new_map.get(key):
+            out.append(FieldChange(f"{path}.{key}", old_map.get(key, _ABSENT), new_map.get(key, _ABSENT)))
+    if len(out) == before and old != new:
+        out.append(FieldChange(path, "parameter order differs", "parameter order differs"))
+
+
+def allowed(change: FieldChange, allow: Iterable[str]) -> bool:
+    """True if ``change.field`` equals an allowed name or lies beneath one."""
+    return any(change.field == a or change.field.startswith(a + ".") for a in allow)
+
+
+def digest(fields: Mapping[str, Any]) -> str:
+    return fingerprint(dict(fields))

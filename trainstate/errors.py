@@ -1,0 +1,132 @@
+"""The exceptions trainstate raises.
+
+Every error derives from :class:`TrainStateError`. Where a builtin exception
+describes the same situation, the subclass inherits it too, so existing
+``except FileNotFoundError`` or ``except TypeError`` handlers keep working::
+
+    TrainStateError(Exception)
+    ├── ContractMismatch                 experiment contract differs on restore
+    ├── UnsupportedValue(TypeError)      a state value has no pickle-free encoding
+    ├── PendingGradients                 save requested mid-accumulation
+    ├── TopologyMismatch                 CUDA device count changed (RNG streams)
+    ├── StateMismatch                    checkpoint and live objects disagree in structure
+    ├── WeightsOnlyGeneration            a weights-only generation used as a resume
+    ├── CorruptGeneration(ValueError)    a file failed parsing, size or digest checks
+    ├── NoValidGeneration(FileNotFoundError)
+    │                                    nothing restorable; lists every rejection
+    ├── GenerationExists(FileExistsError) refusing to overwrite a published generation
+    └── DirectoryLocked(BlockingIOError) another writer holds the run directory
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class TrainStateError(Exception):
+    """Root of every error raised by trainstate."""
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    """One differing contract field: its dotted name and both values."""
+
+    field: str
+    old: object
+    new: object
+
+    def describe(self) -> str:
+        return f"{self.field}: checkpoint has {_short(self.old)}, this run has {_short(self.new)}"
+
+
+def _short(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ContractMismatch(TrainStateError):
+    """The experiment contract of the checkpoint differs from the live run.
+
+    ``changes`` lists each differing field. Nothing was loaded into the live
+    objects. Pass ``allow_changes=[field, ...]`` to ``restore`` to accept a
+    deliberate change; it is then recorded in the generation history.
+    """
+
+    def __init__(self, generation: str, changes: list[FieldChange]):
+        self.generation = generation
+        self.changes = list(changes)
+        lines = "\n  ".join(c.describe() for c in self.changes)
+        fields = ", ".join(repr(c.field) for c in self.changes)
+        super().__init__(
+            f"experiment contract of {generation} differs from this run; nothing was loaded:\n  {lines}\n"
+            f"If the change is deliberate, pass allow_changes=[{fields}] to restore(); "
+            "it will be recorded in the run history and not reported as an identical continuation."
+        )
+
+
+class UnsupportedValue(TrainStateError, TypeError):
+    """A state value cannot be stored without pickle; ``path`` names where it sits."""
+
+    def __init__(self, path: str, value: object, hint: str = ""):
+        self.path = path
+        super().__init__(
+            f"cannot store {path} (a {type(value).__module__}.{type(value).__qualname__}) without pickle: "
+            "supported values are tensors, numpy arrays and scalars, str, int, float, bool, None, "
+            "and lists, tuples and dicts of those. "
+            + (hint or "Convert it in the component's state_dict(), or keep it out of the saved state.")
+        )
+
+
+class PendingGradients(TrainStateError):
+    """A backward pass has accumulated gradients that no optimizer step consumed."""
+
+
+class TopologyMismatch(TrainStateError):
+    """The checkpoint's CUDA RNG streams do not match this machine's devices."""
+
+
+class StateMismatch(TrainStateError):
+    """The checkpoint's structure does not fit the live objects (names, shapes, kinds)."""
+
+
+class WeightsOnlyGeneration(TrainStateError):
+    """A weights-only generation was asked to act as a full resume."""
+
+
+class CorruptGeneration(TrainStateError, ValueError):
+    """A generation (or pointer) failed parsing, size or digest verification."""
+
+    def __init__(self, where: str, reason: str):
+        self.where = where
+        self.reason = reason
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A generation that restore passed over, and why."""
+
+    generation: str
+    reason: str
+
+
+class NoValidGeneration(TrainStateError, FileNotFoundError):
+    """No committed generation verified; ``rejections`` says why each failed."""
+
+    def __init__(self, directory: str, rejections: list[Rejection]):
+        self.directory = directory
+        self.rejections = list(rejections)
+        detail = "\n  ".join(f"{r.generation}: {r.reason}" for r in self.rejections) or "(none found)"
+        super().__init__(
+            f"no generation in {directory} verified; nothing was loaded and nothing was deleted. Tried:\n  {detail}\n"
+            "Inspect with `trainstate verify DIR`. To start over, point the manager at a new directory "
+            "rather than deleting this evidence."
+        )
+
+
+class GenerationExists(TrainStateError, FileExistsError):
+    """A published generation with that name already exists and is never overwritten."""
+
+
+class DirectoryLocked(TrainStateError, BlockingIOError):
+    """Another live process is writing to the run directory."""

@@ -1,0 +1,240 @@
+"""Local POSIX storage: the only module that calls fsync and rename.
+
+Publication of one generation::
+
+    mkdir   .trainstate-staging-<gen>-<token>/         invisible to readers
+    write   each file, digest computed on the bytes written
+    fsync   each file; meanwhile re-read it and compare digests
+    fsync   the staging directory                       its entries are durable
+    rename  staging -> gen-<update>                     atomic on one filesystem
+    fsync   the run directory                           the rename is durable
+
+The pointer is replaced the same way at file level (temp file, fsync,
+``os.replace``, fsync of the directory), so there is never a moment with no
+pointer. Pruning renames a generation to a trash name first, so a crash mid-delete
+never leaves a half-deleted directory that looks like a generation.
+
+A failed fsync is never retried: the kernel may already have dropped the dirty
+pages, so the staging area is abandoned and the error raised.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import stat
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+from .digest import digest_stream, new_hasher
+from .errors import CorruptGeneration, DirectoryLocked, GenerationExists, TrainStateError
+from .manifest import FileRecord, newest_first
+
+LOCK_FILE = ".trainstate.lock"
+_PREFIX = ".trainstate-"
+_LEFTOVER_RE = re.compile(r"\.trainstate-(staging|trash|tmp)-[A-Za-z0-9._-]{1,80}-[0-9a-f]{16}")
+
+
+def _token() -> str:
+    return secrets.token_hex(8)
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """Open a regular file for reading without following a final symlink."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptGeneration(str(path), "is a symbolic link, not a regular file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptGeneration(str(path), "is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+class LocalStaging:
+    """A staging directory for one generation; see the module docstring."""
+
+    def __init__(self, store: LocalStore, generation: str):
+        self.generation = generation
+        self._store = store
+        self.path = store.root / f"{_PREFIX}staging-{generation}-{_token()}"
+        os.mkdir(self.path)
+
+    def write(self, file: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
+        algorithm = self._store.digest_algorithm
+        hasher = new_hasher(algorithm)
+        size = 0
+        fd = os.open(self.path / file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                hasher.update(view)
+                _write_all(fd, view)
+                size += len(view)
+            digest = hasher.hexdigest()
+            self._sync_and_read_back(fd, file, size, digest)
+        finally:
+            os.close(fd)
+        return FileRecord(file, size, digest)
+
+    def _sync_and_read_back(self, fd: int, file: str, size: int, digest: str) -> None:
+        """fsync ``fd`` while re-reading the file to check what landed in it."""
+        failure: list[BaseException] = []
+
+        def sync() -> None:
+            try:
+                os.fsync(fd)
+            except BaseException as exc:  # re-raised below, on the caller's thread
+                failure.append(exc)
+
+        syncer = threading.Thread(target=sync, name="trainstate-fsync")
+        syncer.start()
+        try:
+            with open_regular(self.path / file) as stream:
+                read_size, read_digest = digest_stream(stream, self._store.digest_algorithm)
+        finally:
+            syncer.join()
+        if failure:
+            raise failure[0]
+        if (read_size, read_digest) != (size, digest):
+            raise TrainStateError(
+                f"read-back of staged {file} for {self.generation} does not match what was written "
+                f"({read_size} bytes, digest {read_digest[:16]}... vs {size}, {digest[:16]}...); "
+                "the generation was abandoned. Check the disk and memory of this machine.")
+
+    def commit(self) -> None:
+        final = self._store.root / self.generation
+        if os.path.lexists(final):
+            raise GenerationExists(f"{final} already exists; a published generation is never overwritten")
+        fsync_dir(self.path)
+        os.rename(self.path, final)
+        fsync_dir(self._store.root)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class LocalStore:
+    """Generations as directories on one local POSIX filesystem."""
+
+    def __init__(self, root: str | Path, digest_algorithm: str = "blake3", *, create: bool = True):
+        self.root = Path(root)
+        self.location = str(self.root)
+        self.digest_algorithm = digest_algorithm
+        self._lock_fd: int | None = None
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # reading -----------------------------------------------------------------
+    def _names(self) -> list[str]:
+        try:
+            return os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+
+    def generations(self) -> list[str]:
+        return [n for n in newest_first(self._names()) if (self.root / n).is_dir() and not (self.root / n).is_symlink()]
+
+    def leftovers(self) -> list[str]:
+        return sorted(n for n in self._names() if _LEFTOVER_RE.fullmatch(n))
+
+    def files(self, generation: str) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        with os.scandir(self.root / generation) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                out[entry.name] = st.st_size if stat.S_ISREG(st.st_mode) else None
+        return out
+
+    def open(self, generation: str, file: str) -> BinaryIO:
+        return open_regular(self.root / generation / file)
+
+    def path(self, generation: str, file: str = "") -> Path:
+        return self.root / generation / file if file else self.root / generation
+
+    def read_pointer(self, name: str) -> bytes | None:
+        try:
+            with open_regular(self.root / name) as stream:
+                return stream.read(1 << 20)
+        except FileNotFoundError:
+            return None
+
+    # writing -----------------------------------------------------------------
+    def begin(self, generation: str) -> LocalStaging:
+        return LocalStaging(self, generation)
+
+    def write_pointer(self, name: str, data: bytes) -> None:
+        tmp = self.root / f"{_PREFIX}tmp-{name}-{_token()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                _write_all(fd, memoryview(data))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.root / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.root)
+
+    def remove(self, generation: str) -> None:
+        trash = self.root / f"{_PREFIX}trash-{generation}-{_token()}"
+        os.rename(self.root / generation, trash)
+        fsync_dir(self.root)
+        shutil.rmtree(trash)
+
+    def clean_leftovers(self) -> list[str]:
+        removed = []
+        for name in self.leftovers():
+            path = self.root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(name)
+        return removed
+
+    def lock(self) -> None:
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise DirectoryLocked(
+                f"{self.root} is being written by another process (pid {holder}); only one manager may "
+                "write a run directory. Stop the other run, or give this one its own directory.") from None
+        # The kernel drops a flock when its holder dies, even by SIGKILL: no stale locks.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,176 @@
+"""Generation names, the manifest and the ``latest`` pointer: pure (de)serialisation.
+
+A generation is a directory ``gen-<12-digit update>`` (``-weights`` appended for
+weights-only generations) holding ``manifest.json`` and the files it lists.
+The manifest gives every file's size and digest; the pointer names the
+generation and carries the manifest's own digest and size, so a reader can
+check the chain pointer -> manifest -> files before trusting any byte.
+Parsing is strict: unknown versions, missing or mistyped fields are a
+:class:`CorruptGeneration`, never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+from .digest import ALGORITHMS
+from .errors import CorruptGeneration
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE = "state.json"
+POINTER = "latest"
+WEIGHTS_POINTER = "latest-weights"
+MAX_JSON_BYTES = 64 << 20
+KINDS = ("full", "weights")
+
+_GEN_RE = re.compile(r"gen-(\d{12})(-weights)?")
+_FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HEX_RE = re.compile(r"[0-9a-f]{16,128}")
+
+
+def generation_name(next_update: int, kind: str = "full") -> str:
+    if not 0 <= next_update < 10**12:
+        raise ValueError(f"next_update must be in [0, 10**12), got {next_update}")
+    return f"gen-{next_update:012d}" + ("-weights" if kind == "weights" else "")
+
+
+def parse_generation_name(name: str) -> tuple[int, str] | None:
+    """``(update, kind)`` for a generation directory name, else ``None``."""
+    match = _GEN_RE.fullmatch(name)
+    if match is None:
+        return None
+    return int(match[1]), "weights" if match[2] else "full"
+
+
+def newest_first(names: list[str]) -> list[str]:
+    """Generation names ordered by parsed update number, newest first; others dropped."""
+    parsed = [(parse_generation_name(n), n) for n in names]
+    return [n for p, n in sorted((p, n) for p, n in parsed if p is not None)[::-1]]
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    generation: str
+    kind: str
+    next_update: int
+    digest_algorithm: str
+    files: tuple[FileRecord, ...]
+    created: str  # ISO 8601, UTC
+    contract_fingerprint: str
+    versions: dict = field(default_factory=dict)
+    parent: str | None = None
+    format_version: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        data = {"format": "trainstate", **asdict(self)}
+        data["files"] = [asdict(f) for f in self.files]
+        return json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"
+
+    def file(self, name: str) -> FileRecord:
+        for record in self.files:
+            if record.name == name:
+                return record
+        raise CorruptGeneration(self.generation, f"manifest lists no {name}")
+
+
+@dataclass(frozen=True)
+class Pointer:
+    generation: str
+    manifest_digest: str
+    manifest_size: int
+    digest_algorithm: str
+    next_update: int
+    kind: str = "full"
+    format_version: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": "trainstate-pointer", **asdict(self)}, sort_keys=True).encode() + b"\n"
+
+
+def load_json(data: bytes, where: str) -> dict:
+    if len(data) > MAX_JSON_BYTES:
+        raise CorruptGeneration(where, f"{len(data)} bytes exceeds the {MAX_JSON_BYTES}-byte limit for metadata")
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptGeneration(where, f"not valid UTF-8 JSON ({exc.__class__.__name__})") from None
+    if type(value) is not dict:
+        raise CorruptGeneration(where, "expected a JSON object")
+    return value
+
+
+def _check(where: str, data: dict, spec: dict[str, type | tuple]) -> None:
+    extra = set(data) - set(spec)
+    if extra:
+        raise CorruptGeneration(where, f"unknown fields {sorted(extra)!r:.200}")
+    for key, types in spec.items():
+        if key not in data:
+            raise CorruptGeneration(where, f"missing field {key!r}")
+        if type(data[key]) not in (types if isinstance(types, tuple) else (types,)):
+            raise CorruptGeneration(where, f"field {key!r} has the wrong type")
+
+
+def _check_common(where: str, data: dict, fmt: str) -> None:
+    if data.get("format") != fmt:
+        raise CorruptGeneration(where, f"not a {fmt} file")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise CorruptGeneration(
+            where, f"format_version {data.get('format_version')!r:.20} is not {FORMAT_VERSION}; "
+            "it was written by another trainstate version")
+    if data.get("digest_algorithm") not in ALGORITHMS:
+        raise CorruptGeneration(where, f"unknown digest algorithm {data.get('digest_algorithm')!r:.40}")
+    if data.get("kind") not in KINDS:
+        raise CorruptGeneration(where, f"unknown kind {data.get('kind')!r:.40}")
+    if type(data.get("next_update")) is not int or not 0 <= data["next_update"] < 10**12:
+        raise CorruptGeneration(where, "next_update is not a valid update number")
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    raw = load_json(data, where)
+    _check(where, raw, {
+        "format": str, "format_version": int, "generation": str, "kind": str, "next_update": int,
+        "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
+        "versions": dict, "parent": (str, type(None)),
+    })
+    _check_common(where, raw, "trainstate")
+    if parse_generation_name(raw["generation"]) != (raw["next_update"], raw["kind"]):
+        raise CorruptGeneration(where, f"generation name {raw['generation']!r:.60} disagrees with its update/kind")
+    files = []
+    for item in raw["files"]:
+        if type(item) is not dict:
+            raise CorruptGeneration(where, "file records must be objects")
+        _check(where, item, {"name": str, "size": int, "digest": str})
+        if not _FILE_RE.fullmatch(item["name"]) or item["name"] == MANIFEST or not _HEX_RE.fullmatch(item["digest"]):
+            raise CorruptGeneration(where, f"invalid file record {item['name']!r:.60}")
+        if item["size"] < 0:
+            raise CorruptGeneration(where, f"negative size for {item['name']!r:.60}")
+        files.append(FileRecord(item["name"], item["size"], item["digest"]))
+    if len({f.name for f in files}) != len(files) or STATE not in {f.name for f in files}:
+        raise CorruptGeneration(where, f"file list must be unique and include {STATE}")
+    del raw["format"]
+    return Manifest(**{**raw, "files": tuple(files)})
+
+
+def parse_pointer(data: bytes, where: str) -> Pointer:
+    raw = load_json(data, where)
+    _check(where, raw, {
+        "format": str, "format_version": int, "generation": str, "manifest_digest": str,
+        "manifest_size": int, "digest_algorithm": str, "next_update": int, "kind": str,
+    })
+    _check_common(where, raw, "trainstate-pointer")
+    if parse_generation_name(raw["generation"]) != (raw["next_update"], raw["kind"]):
+        raise CorruptGeneration(where, f"pointer names {raw['generation']!r:.60}, which disagrees with its update/kind")
+    if not _HEX_RE.fullmatch(raw["manifest_digest"]) or raw["manifest_size"] < 0:
+        raise CorruptGeneration(where, "malformed manifest digest or size")
+    del raw["format"]
+    return Pointer(**raw)

@@ -1,0 +1,129 @@
+"""Turn a TrainState into a pickle-free payload, and a verified payload back into live objects.
+
+Capture reads live references (no copy); restore validates everything it
+can against the live objects before the first ``load_state_dict`` call, and
+restores RNG last so that nothing constructed or loaded can consume it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from . import contract as contract_mod
+from . import rng as rng_mod
+from .codec import TensorTable, encode
+from .errors import StateMismatch, UnsupportedValue
+from .manifest import FORMAT_VERSION
+from .state import TrainState
+
+
+def _type_name(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def capture(state: TrainState, *, kind: str = "full", include_grads: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The state skeleton (JSON-able) and the tensors it references, by name."""
+    table = TensorTable()
+    components = state.modules() if kind == "weights" else state.components
+    skeleton: dict[str, Any] = {
+        "format": "trainstate-state",
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "clocks": {"next_update": _count(state.next_update, "next_update"),
+                   "tokens_seen": _count(state.tokens_seen, "tokens_seen")},
+        "counters": {k: _count(v, f"counters.{k}") for k, v in state.counters.items()},
+        "facts": encode(contract_mod.canonical(state.facts, "facts"), "facts", table),
+        "components": {name: {"type": _type_name(c), "state": encode(c.state_dict(), name, table)}
+                       for name, c in components.items()},
+        "contract": {"fields": state.contract_fields(), "versions": contract_mod.versions()},
+        "history": contract_mod.canonical(state.history, "history"),
+    }
+    if kind == "full":
+        skeleton["rng"] = encode(rng_mod.capture(state.rngs, include_globals=state.capture_global_rngs), "rng", table)
+        skeleton["pending_gradients"] = include_grads
+        if include_grads:
+            skeleton["grads"] = {
+                name: encode({p: t.grad for p, t in m.named_parameters() if t.grad is not None}, f"grads.{name}", table)
+                for name, m in state.modules().items()}
+    return skeleton, table.tensors
+
+
+def _count(value: object, path: str) -> int:
+    if type(value) is not int or value < 0:
+        raise UnsupportedValue(path, value, "Clocks and counters must be non-negative Python ints.")
+    return value
+
+
+def state_json(skeleton: dict) -> bytes:
+    return json.dumps(skeleton, separators=(",", ":"), allow_nan=False).encode()
+
+
+def check_components(state: TrainState, saved: dict[str, Any], generation: str) -> None:
+    """Names and types of the saved components must match the live ones."""
+    saved_components = saved["components"]
+    if set(saved_components) != set(state.components):
+        raise StateMismatch(
+            f"{generation} holds components {sorted(saved_components)} but this TrainState has "
+            f"{sorted(state.components)}; construct the TrainState with the same component names")
+    for name, component in state.components.items():
+        record = saved_components[name]
+        if type(record) is not dict or record.get("type") != _type_name(component):
+            raise StateMismatch(f"component {name!r}: {generation} saved a {record.get('type')!r}, "
+                                f"this run has a {_type_name(component)!r}")
+        if isinstance(component, torch.nn.Module):
+            _check_module(name, component, record["state"], generation)
+
+
+def _check_module(name: str, module: torch.nn.Module, saved: object, generation: str) -> None:
+    live = module.state_dict()
+    if type(saved) is not dict:
+        raise StateMismatch(f"component {name!r} in {generation} is not a state dict")
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    if missing or unexpected:
+        raise StateMismatch(f"component {name!r}: keys missing from {generation}: {missing[:10]}, "
+                            f"unexpected: {unexpected[:10]}")
+    for key, tensor in live.items():
+        got = saved[key]
+        if isinstance(tensor, torch.Tensor) and (
+                not isinstance(got, torch.Tensor) or got.shape != tensor.shape or got.dtype != tensor.dtype):
+            desc = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise StateMismatch(f"{name}.{key}: {generation} has {desc}, "
+                                f"this run has {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool = False) -> list[str]:
+    """Load a decoded, verified, contract-checked payload into the live state.
+
+    Returns warnings. Order: components (registration order), gradients,
+    clocks, and RNG last.
+    """
+    rng_saved = payload.get("rng", {})
+    rng_mod.validate(rng_saved, state.rngs)
+    for name, component in state.components.items():
+        saved = payload["components"][name]["state"]
+        if isinstance(component, torch.nn.Module):
+            component.load_state_dict(saved, strict=True)
+        else:
+            component.load_state_dict(saved)
+    _restore_grads(state, payload)
+    clocks = payload["clocks"]
+    state.next_update = clocks["next_update"]
+    state.tokens_seen = clocks["tokens_seen"]
+    state.counters = dict(payload["counters"])
+    state.facts = payload["facts"]
+    state.history = list(payload["history"])
+    return rng_mod.restore(rng_saved, state.rngs, statistical_cuda=statistical_cuda)
+
+
+def _restore_grads(state: TrainState, payload: dict[str, Any]) -> None:
+    grads = payload.get("grads")
+    for name, module in state.modules().items():
+        saved = (grads or {}).get(name, {})
+        for pname, param in module.named_parameters():
+            grad = saved.get(pname)
+            param.grad = None if grad is None else grad.to(param.device)
+    if grads:
+        state._grads.mark_pending()

@@ -1,0 +1,80 @@
+"""TrainState: every input of the next update, gathered in one object."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import contract as contract_mod
+from .grads import GradientTracker
+from .rng import Generator, check_generator
+
+RESERVED = frozenset({"rngs", "contract", "capture_global_rngs"})
+_ATTRIBUTES = frozenset({"components", "next_update", "tokens_seen", "counters", "facts", "history", "pending_gradients"})
+
+
+class TrainState:
+    """The restart state of a training run.
+
+    Keyword arguments name the stateful components: anything with
+    ``state_dict()`` and ``load_state_dict()`` (modules, optimizers, LR
+    schedulers, ``torch.amp.GradScaler``, EMA models, your own objects).
+    ``rngs`` names the generators your step draws from beyond the global ones
+    (captured by default), and ``contract`` holds what gives the numbers
+    their meaning (config, class names, data manifest id, tokenizer
+    fingerprint); it is checked on restore.
+
+    >>> state = TrainState(model=model, optimizer=opt, rngs={"data": gen},
+    ...                    contract={"config": cfg, "class_names": classes})
+    >>> state.next_update += 1
+
+    Attributes you update as training runs: ``next_update`` (the update
+    clock), ``tokens_seen``, ``counters`` (named integers such as ``epoch``)
+    and ``facts`` (small JSON-like values: best metric, patience, tracker
+    run id). ``history`` records accepted contract changes and is carried
+    into every later generation.
+    """
+
+    def __init__(self, *, rngs: Mapping[str, Generator] | None = None, contract: Mapping[str, Any] | None = None,
+                 capture_global_rngs: bool = True, **components: Any):
+        for name, component in components.items():
+            if name in _ATTRIBUTES or name.startswith("_"):
+                raise TypeError(f"{name!r} cannot name a component: it is a TrainState attribute; rename it")
+            if not (callable(getattr(component, "state_dict", None))
+                    and callable(getattr(component, "load_state_dict", None))):
+                raise TypeError(f"component {name!r} ({type(component).__qualname__}) has no "
+                                "state_dict()/load_state_dict(); wrap it in an object that does")
+        self.components: dict[str, Any] = dict(components)
+        self.rngs: dict[str, Generator] = dict(rngs or {})
+        for name, rng in self.rngs.items():
+            check_generator(name, rng)
+        self.contract: dict[str, Any] = dict(contract or {})
+        contract_mod.build(self.contract, {})  # reject non-JSON contract values now, not at the first save
+        self.capture_global_rngs = capture_global_rngs
+        self.next_update = 0
+        self.tokens_seen = 0
+        self.counters: dict[str, int] = {}
+        self.facts: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+        self.parent: str | None = None  # the generation this state was last restored from or saved as
+        self._grads = GradientTracker(c for c in components.values() if isinstance(c, torch.optim.Optimizer))
+
+    def __getitem__(self, name: str) -> Any:
+        return self.components[name]
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {n: c for n, c in self.components.items() if isinstance(c, torch.nn.Module)}
+
+    @property
+    def pending_gradients(self) -> bool:
+        """True when a backward pass accumulated gradients that no optimizer step has consumed."""
+        return self._grads.pending
+
+    def contract_fields(self) -> dict[str, Any]:
+        return contract_mod.build(self.contract, self.modules())
+
+    def __repr__(self) -> str:
+        return (f"TrainState(next_update={self.next_update}, tokens_seen={self.tokens_seen}, "
+                f"components={list(self.components)}, rngs={list(self.rngs)})")

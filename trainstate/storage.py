@@ -1,0 +1,73 @@
+"""The storage interface a checkpoint manager publishes through.
+
+Only the local POSIX backend exists today (``trainstate.localfs``); an object
+store (immutable objects plus a pointer written last) and a multi-rank commit
+plug in here without changing the manager. Paths are plain ``str`` names so
+that URLs survive.
+
+Call order for one save, and who calls each step (the manager, always):
+
+1. ``begin(generation)`` returns a :class:`Staging` area invisible to readers.
+2. ``Staging.write(file, chunks)`` once per file: writes, digests and makes the
+   file durable, returning its :class:`~trainstate.manifest.FileRecord`.
+3. ``Staging.commit()`` makes the whole generation visible under its final
+   name, durably and atomically. ``Staging.abort()`` discards it instead.
+4. The manager verifies the committed generation through the read methods.
+5. ``write_pointer(name, data)`` atomically replaces a small pointer object.
+6. ``remove(generation)`` prunes, only after the pointer has moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import BinaryIO, Protocol
+
+from .manifest import FileRecord
+
+
+class Staging(Protocol):
+    generation: str
+
+    def write(self, file: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
+        """Write one file from ``chunks``; return its size and digest once durable."""
+
+    def commit(self) -> None:
+        """Publish the staged files under the generation's final name, durably."""
+
+    def abort(self) -> None:
+        """Discard the staged files. Safe to call after a failed write or commit."""
+
+
+class Store(Protocol):
+    location: str
+    digest_algorithm: str
+
+    def generations(self) -> list[str]:
+        """Names of committed generations, newest first by parsed update number."""
+
+    def leftovers(self) -> list[str]:
+        """Names of staging or trash entries left by an interrupted save."""
+
+    def files(self, generation: str) -> dict[str, int | None]:
+        """File name to size for one generation; ``None`` for a non-regular entry."""
+
+    def open(self, generation: str, file: str) -> BinaryIO:
+        """Open a committed file for reading (never following links)."""
+
+    def read_pointer(self, name: str) -> bytes | None:
+        """The pointer's bytes, or ``None`` when there is no pointer."""
+
+    def begin(self, generation: str) -> Staging: ...
+
+    def write_pointer(self, name: str, data: bytes) -> None: ...
+
+    def remove(self, generation: str) -> None:
+        """Make a generation invisible atomically, then delete its files."""
+
+    def clean_leftovers(self) -> list[str]:
+        """Delete what ``leftovers`` lists; return the names removed."""
+
+    def lock(self) -> None:
+        """Take the single-writer lock, or raise ``DirectoryLocked``."""
+
+    def unlock(self) -> None: ...
