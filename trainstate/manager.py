@@ -231,10 +231,14 @@ class CheckpointManager:
                     "Use warm_start() to load its weights, or restore a full generation.")
             return verify_generation(self.store, generation), ()
         rejected: list[Rejection] = []
-        pointer, pointer_problem = self._read_pointer()
+        names = self.store.generations()
+        candidates = [n for n in names if parse_generation_name(n)[1] == "full"]
+        pointer, pointer_problem = self._read_pointer(bool(candidates))
         if pointer_problem:
             rejected.append(Rejection(POINTER, pointer_problem))
-        candidates = [n for n in self.store.generations() if parse_generation_name(n)[1] == "full"]
+        if not candidates and len(names) and pointer is None:
+            log.warning("%s holds only weights-only generations: nothing to resume, starting fresh "
+                        "(use warm_start() to initialise from them)", self.store.location)
         if pointer is not None:
             candidates = [pointer.generation] + [n for n in candidates if n != pointer.generation]
         for name in candidates:
@@ -252,10 +256,10 @@ class CheckpointManager:
             return None, ()
         raise NoValidGeneration(self.store.location, rejected)
 
-    def _read_pointer(self) -> tuple[Pointer | None, str | None]:
+    def _read_pointer(self, generations_exist: bool) -> tuple[Pointer | None, str | None]:
         data = self.store.read_pointer(POINTER)
         if data is None:
-            return None, ("missing, but generations exist" if self.store.generations() else None)
+            return None, ("missing, but generations exist" if generations_exist else None)
         try:
             pointer = parse_pointer(data, POINTER)
         except CorruptGeneration as exc:

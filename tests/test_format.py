@@ -1,0 +1,253 @@
+"""The on-disk format: exact round-trips, shared tensors, refusals with key paths, golden bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import trainstate as ts
+from trainstate import tensorfile
+from trainstate.codec import TensorTable, decode, encode
+from trainstate.manifest import FileRecord, Manifest, Pointer, parse_manifest, parse_pointer
+
+GOLDEN = Path(__file__).parent / "golden"
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
+          torch.complex128]
+
+
+class Holder:
+    """A user component holding arbitrary state."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, value):
+        self.value = value
+
+
+def _sample(dtype: torch.dtype) -> torch.Tensor:
+    raw = torch.randint(0, 256, (3, 5, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    if dtype == torch.bool:
+        return raw[..., 0] % 2 == 1
+    return raw.view(dtype) if dtype.itemsize <= 16 else raw
+
+
+def _roundtrip(tmp_path: Path, value, name="holder"):
+    state = ts.TrainState(**{name: Holder(value)})
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(state)
+        back = ts.TrainState(**{name: Holder(None)})
+        ckpt.restore(back)
+    return back[name].value
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_round_trips_bitwise(tmp_path, dtype):
+    tensor = _sample(dtype)
+    back = _roundtrip(tmp_path, {"t": tensor, "scalar": tensor.reshape(-1)[0].clone(), "empty": tensor[:0]})
+    for key, original in {"t": tensor, "scalar": tensor.reshape(-1)[0], "empty": tensor[:0]}.items():
+        got = back[key]
+        assert got.dtype == original.dtype and got.shape == original.shape
+        # compare bytes: NaN patterns in float8/float16 must survive too
+        assert torch.equal(got.reshape(-1).view(torch.uint8), original.reshape(-1).contiguous().view(torch.uint8))
+
+
+def test_safetensors_library_reads_our_files(tmp_path):
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor(True),
+               "c": torch.ones(4, dtype=torch.bfloat16)}
+    _roundtrip(tmp_path, tensors)
+    loaded = safetensors.torch.load_file(tmp_path / "gen-000000000000" / "tensors.safetensors")
+    for key, value in tensors.items():
+        assert torch.equal(loaded[f"holder.{key}"], value)
+
+
+def test_tied_weights_are_stored_once_and_retied(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    state = ts.TrainState(model=model)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(state)
+    header = tensorfile.parse_header(open(tmp_path / "gen-000000000000" / "tensors.safetensors", "rb"),
+                                     (tmp_path / "gen-000000000000" / "tensors.safetensors").stat().st_size, "t")
+    assert [e.name for e in header.entries if e.name.startswith("model.")] == ["model.embed.weight"]
+    # decoded state dicts hand both keys the same tensor object again
+    shared = torch.ones(3)
+    back = _roundtrip(tmp_path / "b", {"x": shared, "y": shared, "z": shared.clone()})
+    assert back["x"] is back["y"] and back["z"] is not back["x"]
+    fresh = Tied()
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.restore(ts.TrainState(model=fresh))
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+
+
+def test_views_and_noncontiguous_tensors(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    value = {"t": base.t(), "slice": base[1:3, ::2], "expand": torch.ones(1).expand(5)}
+    back = _roundtrip(tmp_path, value)
+    for key in value:
+        assert torch.equal(back[key], value[key])
+
+
+def test_structure_types_survive(tmp_path):
+    value = {
+        "state": {0: {"step": torch.tensor(3.0)}, 7: {}},
+        "betas": (0.9, 0.999),
+        "nested": [None, True, 1, -2**70, 2**127 + 1, 0.1, -0.0, float("inf"), float("-inf"), "s", b"\x00\xff"],
+        "$dollar": {"(1, 2)": 1, (1, "a"): 2},
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "np_scalar": np.float32(1.5),
+        "np_int": np.int64(-3),
+        "np_bool": np.bool_(True),
+        "np_array": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "od": OrderedDict(b=1, a=2),
+    }
+    back = _roundtrip(tmp_path, value)
+    assert back["state"][0]["step"].item() == 3.0 and list(back["state"]) == [0, 7]
+    assert back["betas"] == (0.9, 0.999) and type(back["betas"]) is tuple
+    assert back["nested"][:5] == [None, True, 1, -2**70, 2**127 + 1]
+    assert math.copysign(1, back["nested"][6]) == -1 and back["nested"][7:] == [math.inf, -math.inf, "s", b"\x00\xff"]
+    assert back["$dollar"] == {"(1, 2)": 1, (1, "a"): 2}
+    assert back["dtype"] is torch.bfloat16 and back["device"] == torch.device("cpu")
+    assert type(back["np_scalar"]) is np.float32 and back["np_scalar"] == 1.5
+    assert type(back["np_int"]) is np.int64 and type(back["np_bool"]) is np.bool_
+    assert back["np_array"].dtype == np.uint32 and (back["np_array"] == value["np_array"]).all()
+    assert list(back["od"]) == ["b", "a"]
+    nan = _roundtrip(tmp_path / "nan", {"x": float("nan")})["x"]
+    assert math.isnan(nan)
+
+
+def test_pcg64_state_round_trips_exactly(tmp_path):
+    for bitgen in (np.random.PCG64, np.random.PCG64DXSM, np.random.Philox, np.random.SFC64, np.random.MT19937):
+        gen = np.random.Generator(bitgen(2**100 + 17))
+        gen.random(5)
+        state = ts.TrainState(rngs={"g": gen}, capture_global_rngs=False)
+        directory = tmp_path / bitgen.__name__
+        with ts.CheckpointManager(directory) as ckpt:
+            ckpt.save(state)
+        expected = gen.random(4)
+        other = np.random.Generator(bitgen(1))
+        with ts.CheckpointManager(directory) as ckpt:
+            ckpt.restore(ts.TrainState(rngs={"g": other}, capture_global_rngs=False))
+        assert (other.random(4) == expected).all(), bitgen.__name__
+
+
+class WithLambda:
+    def state_dict(self):
+        return {"base_lrs": [0.1], "lr_lambdas": [lambda epoch: 0.9 ** epoch]}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("value, path", [
+    ({"lr_lambdas": [lambda e: e]}, "scheduler.lr_lambdas[0]"),
+    ({"obj": object()}, "scheduler.obj"),
+    ({"nested": {3: [1, {"x": {1, 2}}]}}, "scheduler.nested[3][1].x"),
+    ({"sparse": torch.eye(3).to_sparse()}, "scheduler.sparse"),
+])
+def test_unsupported_value_fails_at_save_with_key_path(tmp_path, value, path):
+    state = ts.TrainState(scheduler=Holder(value))
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        with pytest.raises(ts.UnsupportedValue) as err:
+            ckpt.save(state)
+    assert err.value.path == path and path in str(err.value)
+    assert isinstance(err.value, TypeError)
+    assert not any(p.name.startswith("gen-") for p in tmp_path.iterdir())
+
+
+def test_contract_value_rejected_at_construction():
+    with pytest.raises(ts.UnsupportedValue, match=r"contract\.config\.fn"):
+        ts.TrainState(contract={"config": {"fn": print}})
+
+
+# --- codec properties --------------------------------------------------------------------------
+json_leaves = st.none() | st.booleans() | st.integers(min_value=-2**130, max_value=2**130) | st.floats() | st.text()
+values = st.recursive(
+    json_leaves,
+    lambda children: st.lists(children, max_size=4) | st.tuples(children, children)
+    | st.dictionaries(st.text(max_size=5) | st.integers(-5, 5), children, max_size=4),
+    max_leaves=25)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float):
+        return a == b and math.copysign(1, a) == math.copysign(1, b)
+    return a == b
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_codec_round_trips_through_json(value):
+    table = TensorTable()
+    skeleton = encode(value, "v", table)
+    text = json.dumps(skeleton, allow_nan=False)
+    assert _same(decode(json.loads(text), "v", table.tensors), value)
+
+
+# --- golden bytes ------------------------------------------------------------------------------
+def _golden_payload():
+    table = TensorTable()
+    shared = torch.arange(4, dtype=torch.float32)
+    value = {"w": shared, "tied": shared, "half": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+             "e8m0": torch.tensor([1.0, 4.0]).to(torch.float8_e8m0fnu), "step": torch.tensor(3, dtype=torch.int64),
+             "betas": (0.9, 0.999), "state": {0: {"big": 2**64}}, "nan": float("nan")}
+    skeleton = encode(value, "c", table)
+    layout = tensorfile.plan(table.tensors)
+    tensor_bytes = b"".join(bytes(c) for c in tensorfile.chunks(layout, table.tensors))
+    return json.dumps(skeleton, separators=(",", ":"), allow_nan=False).encode(), tensor_bytes
+
+
+def test_golden_bytes_pin_format_version_1():
+    skeleton, tensor_bytes = _golden_payload()
+    manifest = Manifest("gen-000000000042", "full", 42, "blake3",
+                        (FileRecord("state.json", 10, "ab" * 32), FileRecord("tensors.safetensors", 20, "cd" * 32)),
+                        "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None)
+    pointer = Pointer("gen-000000000042", "12" * 32, 300, "blake3", 42)
+    golden = {"skeleton.json": skeleton, "tensors.safetensors": tensor_bytes,
+              "manifest.json": manifest.to_bytes(), "latest": pointer.to_bytes()}
+    for name, data in golden.items():
+        assert (GOLDEN / name).read_bytes() == data, f"format drift in {name}: bump FORMAT_VERSION and the goldens"
+    assert parse_manifest((GOLDEN / "manifest.json").read_bytes(), "g") == manifest
+    assert parse_pointer((GOLDEN / "latest").read_bytes(), "g") == pointer
+    header = tensorfile.parse_header(io.BytesIO(tensor_bytes), len(tensor_bytes), "g")
+    assert [e.name for e in header.entries] == ["c.w", "c.half", "c.e8m0", "c.step"]
+    assert header.entries[2].dtype == torch.float8_e8m0fnu
+
+
+if __name__ == "__main__":  # regenerate goldens deliberately, after bumping FORMAT_VERSION
+    GOLDEN.mkdir(exist_ok=True)
+    s, t = _golden_payload()
+    (GOLDEN / "skeleton.json").write_bytes(s)
+    (GOLDEN / "tensors.safetensors").write_bytes(t)

@@ -1,0 +1,230 @@
+"""The publication protocol: ordering of durable steps, failure paths, leftovers, retention, collisions."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainstate as ts
+from trainstate.localfs import LocalStore
+from trainer import assert_same, build, full_state, step
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_durable_steps_happen_in_protocol_order(tmp_path, monkeypatch):
+    """Spy on the real syscalls (they still run) and check the order the protocol promises."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
+    state = build()
+    step(state)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(state)
+    root, gen = str(tmp_path), str(tmp_path / "gen-000000000001")
+    kinds = [(k, Path(p).name if p not in (root,) else "<run dir>") for k, p in events]
+    rename_at = kinds.index(("rename", "gen-000000000001"))
+    before = kinds[:rename_at]
+    staged = [name for k, name in before if k == "fsync"]
+    assert {"state.json", "tensors.safetensors", "manifest.json"} <= set(staged)
+    assert before[-1][0] == "fsync" and before[-1][1].startswith(".trainstate-staging-gen-000000000001-")
+    assert kinds[rename_at + 1] == ("fsync", "<run dir>")
+    after = kinds[rename_at + 2:]
+    assert after[:3] == [("fsync", after[0][1]), ("replace", "latest"), ("fsync", "<run dir>")]
+    assert after[0][1].startswith(".trainstate-tmp-latest-")
+    assert gen not in [p for _, p in events[rename_at + 1:]]  # nothing rewrites the published generation
+
+
+def _two_generations(tmp_path):
+    state = build()
+    step(state)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(state)
+    expected = {k: v for k, v in full_state(state).items()}
+    expected = json.loads(json.dumps({"u": state.next_update}))
+    step(state)
+    return state
+
+
+class FailingStore(LocalStore):
+    """The real local store with one step made to fail, as a full disk or a dying device would."""
+
+    def __init__(self, root, fail_at: str):
+        super().__init__(root)
+        self.fail_at = fail_at
+
+    def begin(self, generation):
+        staging = super().begin(generation)
+        fail_at, real_write, real_commit = self.fail_at, staging.write, staging.commit
+
+        def write(file, chunks):
+            if fail_at == file:
+                raise OSError(errno.EIO, "injected I/O error", file)
+            return real_write(file, chunks)
+
+        def commit():
+            if fail_at == "commit":
+                raise OSError(errno.EIO, "injected I/O error at rename")
+            return real_commit()
+
+        staging.write, staging.commit = write, commit
+        return staging
+
+    def write_pointer(self, name, data):
+        if self.fail_at == "pointer":
+            raise OSError(errno.EIO, "injected I/O error at pointer")
+        return super().write_pointer(name, data)
+
+
+@pytest.mark.parametrize("fail_at", ["state.json", "tensors.safetensors", "manifest.json", "commit", "pointer"])
+def test_failed_save_publishes_nothing_and_keeps_latest(tmp_path, fail_at):
+    state = build()
+    step(state)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(state)
+    saved = full_state(build())
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.restore(reference := build(seed=9))
+    pointer_before = (tmp_path / "latest").read_bytes()
+    step(state)
+    with ts.CheckpointManager(tmp_path, store=FailingStore(tmp_path, fail_at)) as ckpt:
+        with pytest.raises(OSError, match="injected"):
+            ckpt.save(state)
+    assert (tmp_path / "latest").read_bytes() == pointer_before
+    visible = [n for n in _names(tmp_path) if n.startswith("gen-")]
+    assert visible == (["gen-000000000001", "gen-000000000002"] if fail_at == "pointer" else ["gen-000000000001"])
+    assert not [n for n in _names(tmp_path) if n.startswith(".trainstate-staging")]
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        info = ckpt.restore(again := build(seed=10))
+        assert info.generation.name == "gen-000000000001"
+        assert_same(full_state(again), full_state(reference))
+        ckpt.save(state if fail_at != "pointer" else (step(state), state)[1])  # the next save succeeds
+
+
+def test_leftovers_invisible_and_cleaned_only_if_ours(tmp_path):
+    state = build()
+    step(state)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(state)
+    ours = tmp_path / ".trainstate-staging-gen-000000000002-0123456789abcdef"
+    ours.mkdir()
+    (ours / "state.json").write_text("{partial")
+    (tmp_path / ".trainstate-tmp-latest-00000000000000ff").write_text("x")
+    foreign = [tmp_path / ".trainstate-staging-mine", tmp_path / "notes.txt", tmp_path / "gen-backup",
+               tmp_path / "gen-1"]
+    foreign[0].mkdir()
+    foreign[1].write_text("keep me")
+    foreign[2].mkdir()
+    foreign[3].mkdir()
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        assert ckpt.restore(build(seed=3)).generation.name == "gen-000000000001"
+        step(state)
+        ckpt.save(state)
+    assert not ours.exists() and not (tmp_path / ".trainstate-tmp-latest-00000000000000ff").exists()
+    assert all(p.exists() for p in foreign)
+
+
+def test_keep_last_prunes_after_commit_and_spares_foreign_and_newer(tmp_path):
+    state = build()
+    (tmp_path / "gen-000000000099-notes").mkdir(parents=True)
+    orphan = tmp_path / "gen-000000000500"  # e.g. from an abandoned timeline: never ours to judge
+    with ts.CheckpointManager(tmp_path, keep_last=2) as ckpt:
+        for _ in range(5):
+            step(state)
+            ckpt.save(state)
+            if state.next_update == 2:
+                shutil.copytree(tmp_path / "gen-000000000002", orphan)
+                manifest = json.loads((orphan / "manifest.json").read_text())
+    gens = [n for n in _names(tmp_path) if n.startswith("gen-")]
+    assert gens == ["gen-000000000004", "gen-000000000005", "gen-000000000099-notes", "gen-000000000500"]
+    assert json.loads((tmp_path / "latest").read_text())["generation"] == "gen-000000000005"
+
+
+def test_same_update_twice_is_refused_for_latest_and_replaces_an_orphan(tmp_path):
+    state = build()
+    step(state)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(state)
+        with pytest.raises(ts.GenerationExists, match="next_update"):
+            ckpt.save(state)
+        step(state)
+        ckpt.save(state)
+    # simulate a crash after rename but before the pointer moved: pointer back at gen 1
+    (tmp_path / "latest").write_bytes(_pointer_for(tmp_path, "gen-000000000001"))
+    resumed = build(seed=4)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        assert ckpt.restore(resumed).generation.name == "gen-000000000001"
+        step(resumed)
+        ckpt.save(resumed)  # gen 2 exists but is not committed: it is replaced, not refused
+        assert ckpt.latest() == "gen-000000000002"
+
+
+def _pointer_for(directory: Path, name: str) -> bytes:
+    from trainstate.digest import digest_bytes
+    from trainstate.manifest import Pointer
+
+    data = (directory / name / "manifest.json").read_bytes()
+    update = int(name.split("-")[1])
+    return Pointer(name, digest_bytes("blake3", data), len(data), "blake3", update).to_bytes()
+
+
+def test_sha256_digest_option(tmp_path):
+    state = build()
+    step(state)
+    with ts.CheckpointManager(tmp_path, digest="sha256") as ckpt:
+        ckpt.save(state)
+        assert ckpt.restore(build(seed=2)).generation.digest_algorithm == "sha256"
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root and permission to mount a tmpfs to produce a real ENOSPC")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_real_enospc_keeps_previous_generation(tiny_fs):
+    model = torch.nn.Linear(300, 300)  # ~360 KB of weights, ~1 MB with AdamW moments
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 300)).sum().backward()
+    opt.step()
+    state = ts.TrainState(model=model, optimizer=opt)
+    run = tiny_fs / "run"
+    with ts.CheckpointManager(run, keep_last=5) as ckpt:
+        state.next_update = 1
+        ckpt.save(state)
+        filler = tiny_fs / "filler"
+        with open(filler, "wb") as f:
+            try:
+                f.write(b"\0" * (3 << 20))
+            except OSError:
+                pass
+        state.next_update = 2
+        with pytest.raises(OSError) as err:
+            ckpt.save(state)
+        assert err.value.errno == errno.ENOSPC
+        assert [n for n in _names(run) if n.startswith("gen-")] == ["gen-000000000001"]
+        assert not [n for n in _names(run) if n.startswith(".trainstate-staging")]
+        filler.unlink()
+        ckpt.save(state)
+        assert ckpt.latest() == "gen-000000000002"
