@@ -79,3 +79,21 @@ def test_opt_in_saves_gradients_and_resumes_bitwise(tmp_path):
     _micro(dropped, 1)
     _finish(dropped)
     assert not torch.equal(dropped["model"][0].weight, reference["model"][0].weight)
+
+
+def test_grad_scaler_skipped_step_is_not_pending(tmp_path):
+    """A GradScaler that finds inf skips optimizer.step(); those gradients are spent, saving is fine."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    state = ts.TrainState(model=model, optimizer=opt, scaler=scaler)
+    before = model.weight.detach().clone()
+    opt.zero_grad()
+    scaler.scale(model(torch.full((1, 3), float("inf"))).sum()).backward()
+    assert state.pending_gradients
+    scaler.step(opt)  # skipped: grads are inf
+    scaler.update()
+    assert torch.equal(model.weight, before)
+    assert not state.pending_gradients
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(state)

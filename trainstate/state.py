@@ -59,7 +59,9 @@ class TrainState:
         self.facts: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         self.parent: str | None = None  # the generation this state was last restored from or saved as
-        self._grads = GradientTracker(c for c in components.values() if isinstance(c, torch.optim.Optimizer))
+        self._grads = GradientTracker(
+            [c for c in components.values() if isinstance(c, torch.optim.Optimizer)],
+            [c for c in components.values() if isinstance(c, torch.amp.GradScaler)])
 
     def __getitem__(self, name: str) -> Any:
         return self.components[name]
