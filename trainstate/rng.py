@@ -67,35 +67,39 @@ def restore(saved: Mapping[str, Any], named: Mapping[str, Generator], *, statist
 
     Returns warnings (for example, CUDA streams skipped under
     ``statistical_cuda``). Raises before touching any generator if a source is
-    missing, of another kind, or the CUDA device count differs.
+    missing, of another kind, malformed, or the CUDA device count differs.
     """
-    warnings: list[str] = []
-    plan = validate(saved, named)
-    cuda_states = saved.get("torch_cuda", [])
-    live_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    restore_cuda = True
-    if "torch_cuda" in saved and len(cuda_states) != live_devices:
-        if not statistical_cuda:
-            raise TopologyMismatch(
-                f"the checkpoint holds RNG streams for {len(cuda_states)} CUDA device(s) but this process sees "
-                f"{live_devices}; exact continuation needs the same devices. Pass "
-                "rng_statistical_cuda=True to restore() to accept a statistical continuation of CUDA randomness.")
-        restore_cuda = False
-        warnings.append(
-            f"CUDA RNG streams not restored ({len(cuda_states)} saved, {live_devices} present): "
-            "CUDA randomness continues statistically, not bitwise")
+    warnings = validate(saved, named, statistical_cuda=statistical_cuda)
     for name, rng in named.items():
-        _restore_one(rng, plan[name])
+        _restore_one(rng, saved["named"][name])
     if "python" in saved:
         random.setstate(saved["python"])
         np.random.set_state(saved["numpy_global"])
         torch.set_rng_state(saved["torch_cpu"])
-        if restore_cuda and cuda_states:
-            torch.cuda.set_rng_state_all(cuda_states)
+        if saved["torch_cuda"] and not warnings:
+            torch.cuda.set_rng_state_all(saved["torch_cuda"])
     return warnings
 
 
-def validate(saved: Mapping[str, Any], named: Mapping[str, Generator]) -> dict[str, dict]:
+def _check_cuda(saved: Mapping[str, Any], statistical_cuda: bool) -> list[str]:
+    if "torch_cuda" not in saved:
+        return []
+    count = len(saved["torch_cuda"])
+    live = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == live:
+        return []
+    if not statistical_cuda:
+        raise TopologyMismatch(
+            f"the checkpoint holds RNG streams for {count} CUDA device(s) but this process sees {live}; "
+            "exact continuation needs the same devices. Pass rng_statistical_cuda=True to restore() "
+            "to accept a statistical continuation of CUDA randomness.")
+    return [f"CUDA RNG streams not restored ({count} saved, {live} present): "
+            "CUDA randomness continues statistically, not bitwise"]
+
+
+def validate(saved: Mapping[str, Any], named: Mapping[str, Generator], *,
+             statistical_cuda: bool = False) -> list[str]:
+    """Check every saved source against the live ones without changing any; return warnings."""
     saved_named = saved.get("named", {})
     if set(saved_named) != set(named):
         raise StateMismatch(
@@ -118,7 +122,7 @@ def validate(saved: Mapping[str, Any], named: Mapping[str, Generator]) -> dict[s
     if "python" in saved and not {"numpy_global", "torch_cpu", "torch_cuda"} <= set(saved):
         raise StateMismatch("the checkpoint's global RNG record is incomplete")
     _dry_run(saved, named)
-    return dict(saved_named)
+    return _check_cuda(saved, statistical_cuda)
 
 
 def _dry_run(saved: Mapping[str, Any], named: Mapping[str, Generator]) -> None:

@@ -101,7 +101,7 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     clocks, and RNG last.
     """
     rng_saved = payload.get("rng", {})
-    rng_mod.validate(rng_saved, state.rngs)
+    rng_mod.validate(rng_saved, state.rngs, statistical_cuda=statistical_cuda)  # before anything is loaded
     for name, component in state.components.items():
         saved = payload["components"][name]["state"]
         if isinstance(component, torch.nn.Module):

@@ -1,0 +1,100 @@
+"""Pure parsing and planning: generation names, manifest/pointer parsing, retention plans."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainstate.errors import CorruptGeneration
+from trainstate.manifest import (FileRecord, Manifest, Pointer, generation_name, newest_first, parse_generation_name,
+                                 parse_manifest, parse_pointer)
+from trainstate.retention import keep_last
+
+MANIFEST = Manifest("gen-000000000042", "full", 42, "blake3",
+                    (FileRecord("state.json", 10, "ab" * 32), FileRecord("tensors.safetensors", 20, "cd" * 32)),
+                    "2026-01-01T00:00:00+00:00", "ef" * 32, {"torch": "x"}, "gen-000000000041")
+POINTER = Pointer("gen-000000000042", "12" * 32, 300, "blake3", 42)
+
+
+def test_names_are_zero_padded_and_ordered_numerically():
+    assert generation_name(7) == "gen-000000000007"
+    assert generation_name(7, "weights") == "gen-000000000007-weights"
+    assert parse_generation_name("gen-000000000100") == (100, "full")
+    assert parse_generation_name("gen-100") is None and parse_generation_name("gen-000000000100.tmp") is None
+    names = ["gen-000000000009", "gen-000000000100", "gen-000000000010", "notes", "gen-000000000010-weights"]
+    assert newest_first(names) == ["gen-000000000100", "gen-000000000010-weights", "gen-000000000010",
+                                   "gen-000000000009"]
+    with pytest.raises(ValueError):
+        generation_name(-1)
+
+
+def test_manifest_and_pointer_round_trip():
+    assert parse_manifest(MANIFEST.to_bytes(), "m") == MANIFEST
+    assert parse_pointer(POINTER.to_bytes(), "p") == POINTER
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d.update(format_version=2),
+    lambda d: d.update(format="other"),
+    lambda d: d.update(digest_algorithm="md5"),
+    lambda d: d.update(next_update=43),
+    lambda d: d.update(generation="gen-000000000042-weights"),
+    lambda d: d.update(kind="partial"),
+    lambda d: d.pop("files"),
+    lambda d: d.update(extra=1),
+    lambda d: d["files"].append(d["files"][0]),
+    lambda d: d["files"][0].update(name="../escape"),
+    lambda d: d["files"][0].update(name="manifest.json"),
+    lambda d: d["files"][0].update(size=-1),
+    lambda d: d["files"][0].update(size="10"),
+    lambda d: d["files"][0].update(digest="XYZ"),
+    lambda d: d.update(files=[d["files"][1]]),  # no state.json
+])
+def test_manifest_rejects_each_malformation(edit):
+    data = json.loads(MANIFEST.to_bytes())
+    edit(data)
+    with pytest.raises(CorruptGeneration):
+        parse_manifest(json.dumps(data).encode(), "m")
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.data())
+def test_mutated_metadata_only_ever_raises_corrupt_generation(data):
+    source = data.draw(st.sampled_from([MANIFEST.to_bytes(), POINTER.to_bytes()]))
+    blob = bytearray(source)
+    for _ in range(data.draw(st.integers(1, 4))):
+        kind = data.draw(st.sampled_from(["flip", "truncate", "zero", "insert"]))
+        at = data.draw(st.integers(0, max(len(blob) - 1, 0)))
+        if kind == "flip" and blob:
+            blob[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "truncate":
+            del blob[at:]
+        elif kind == "zero":
+            blob[at:at + data.draw(st.integers(1, 16))] = bytes(len(blob[at:at + 16]))
+        else:
+            blob[at:at] = data.draw(st.binary(max_size=8))
+    for parse in (parse_manifest, parse_pointer):
+        try:
+            parse(bytes(blob), "fuzz")
+        except CorruptGeneration:
+            pass
+
+
+def test_deeply_nested_json_is_corrupt_not_recursion_error():
+    with pytest.raises(CorruptGeneration):
+        parse_manifest(b"[" * 100000 + b"]" * 100000, "m")
+
+
+def test_keep_last_plan():
+    names = [generation_name(u) for u in (1, 2, 3, 10, 20)] + ["gen-000000000002-weights", "foreign"]
+    plan = keep_last(names, newest="gen-000000000010", kind="full", keep=2)
+    assert plan.keep == ("gen-000000000010", "gen-000000000003")
+    assert plan.prune == ("gen-000000000002", "gen-000000000001")
+    assert plan.above_newest == ("gen-000000000020",)
+    weights = keep_last(names, newest="gen-000000000002-weights", kind="weights", keep=1)
+    assert weights.prune == () and weights.keep == ("gen-000000000002-weights",)
+    with pytest.raises(ValueError):
+        keep_last(names, newest="gen-000000000010", kind="full", keep=0)
