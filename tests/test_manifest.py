@@ -94,6 +94,10 @@ def test_keep_last_plan():
     assert plan.keep == ("gen-000000000010", "gen-000000000003")
     assert plan.prune == ("gen-000000000002", "gen-000000000001")
     assert plan.above_newest == ("gen-000000000020",)
+    lineage = keep_last(names, newest="gen-000000000010", kind="full", keep=2,
+                        lineage={"gen-000000000010", "gen-000000000002", "gen-000000000001"})
+    assert lineage.keep == ("gen-000000000010", "gen-000000000002")
+    assert lineage.prune == ("gen-000000000001",) and lineage.off_lineage == ("gen-000000000003",)
     weights = keep_last(names, newest="gen-000000000002-weights", kind="weights", keep=1)
     assert weights.prune == () and weights.keep == ("gen-000000000002-weights",)
     with pytest.raises(ValueError):

@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import CorruptGeneration, TrainStateError
 from .localfs import LocalStore
-from .manifest import MANIFEST, POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
+from .manifest import POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
 from .verify import read_layouts, read_manifest, read_state_json, verify_generation
 
 
@@ -24,7 +24,7 @@ def _open_target(target: str) -> tuple[LocalStore, list[str], bool]:
     path = Path(target)
     if not path.is_dir():
         raise FileNotFoundError(f"{target} is not a directory")
-    if parse_generation_name(path.name) and (path / MANIFEST).exists():
+    if parse_generation_name(path.name):
         return LocalStore(path.parent, create=False), [path.name], True
     return LocalStore(path, create=False), LocalStore(path, create=False).generations(), False
 
@@ -32,10 +32,10 @@ def _open_target(target: str) -> tuple[LocalStore, list[str], bool]:
 def _pointers(store: LocalStore) -> dict[str, dict[str, Any]]:
     out = {}
     for name in (POINTER, WEIGHTS_POINTER):
-        data = store.read_pointer(name)
-        if data is None:
-            continue
         try:
+            data = store.read_pointer(name)
+            if data is None:
+                continue
             p = parse_pointer(data, name)
             out[name] = {"generation": p.generation, "ok": True, "pointer": p}
         except CorruptGeneration as exc:
@@ -87,7 +87,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except (TrainStateError, OSError) as exc:
             failures.append({"generation": name, "error": str(exc)})
     if not single:
-        for pname, p in _pointers(store).items():
+        pointers = _pointers(store)
+        if POINTER not in pointers and any(parse_generation_name(n)[1] == "full" for n in names):
+            failures.append({"generation": POINTER, "error": "missing, but full generations exist; restore "
+                             "would have to fall back to the newest generation that verifies"})
+        for pname, p in pointers.items():
             if not p["ok"]:
                 failures.append({"generation": pname, "error": p["error"]})
             elif p["generation"] not in checked:
@@ -96,7 +100,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 try:
                     read_manifest(store, p["generation"], p["pointer"])
                 except TrainStateError as exc:
-                    failures.append({"generation": pname, "error": str(exc)})
+                    failures.append({"generation": pname, "error": f"names {p['generation']}, which verifies on "
+                                     f"its own, but the pointer's record does not match it: {exc}"})
     if args.json:
         print(json.dumps({"verified": checked, "failures": failures}, indent=1))
     else:

@@ -156,7 +156,10 @@ def _decode_tag(tag: str, inner: Any, path: str, tensors: Mapping[str, torch.Ten
             return tensors[inner].numpy()
         if tag == "$np":
             dtype, value = inner
-            return np.dtype(dtype).type(decode(value, path, tensors))
+            dtype = np.dtype(dtype) if type(dtype) is str and len(dtype) <= 8 else None
+            if dtype is None or dtype.kind not in "biuf" or type(value) not in (bool, int, float):
+                raise ValueError(f"unsupported numpy scalar {inner!r:.60}")
+            return dtype.type(value)
         if tag == "$int":
             return int(inner)
         if tag == "$float":
@@ -182,7 +185,7 @@ def _decode_tag(tag: str, inner: Any, path: str, tensors: Mapping[str, torch.Ten
             return base64.b64decode(inner, validate=True)
     except CorruptGeneration:
         raise
-    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, OverflowError) as exc:
         raise CorruptGeneration(path, f"malformed {tag} value: {exc!r:.200}") from None
     raise AssertionError(tag)  # unreachable: tag is in _TAGS
 

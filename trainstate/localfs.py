@@ -175,11 +175,17 @@ class LocalStore:
         return self.root / generation / file if file else self.root / generation
 
     def read_pointer(self, name: str) -> bytes | None:
+        """The pointer's bytes; ``None`` if absent. A pointer that is not a readable
+        regular file raises :class:`CorruptGeneration`, which readers treat like garbage."""
         try:
             with open_regular(self.root / name) as stream:
                 return stream.read(1 << 20)
         except FileNotFoundError:
             return None
+        except IsADirectoryError:
+            raise CorruptGeneration(str(self.root / name), "is not a regular file") from None
+        except OSError as exc:
+            raise CorruptGeneration(str(self.root / name), f"unreadable ({exc.strerror})") from None
 
     # writing -----------------------------------------------------------------
     def begin(self, generation: str) -> LocalStaging:
@@ -194,7 +200,11 @@ class LocalStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, self.root / name)
+            target = self.root / name
+            if target.is_dir() and not target.is_symlink():
+                # Something that is not our pointer occupies its name; keep it, out of the way.
+                os.rename(target, self.root / f"{name}.rejected-{_token()}")
+            os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -205,6 +215,13 @@ class LocalStore:
         os.rename(self.root / generation, trash)
         fsync_dir(self.root)
         shutil.rmtree(trash)
+
+    def set_aside(self, generation: str, reason: str) -> str:
+        """Rename a generation out of sight of restore and cleanup, keeping its files as evidence."""
+        aside = f"{generation}.{reason}-{_token()}"
+        os.rename(self.root / generation, self.root / aside)
+        fsync_dir(self.root)
+        return aside
 
     def clean_leftovers(self) -> list[str]:
         removed = []

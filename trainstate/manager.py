@@ -25,7 +25,7 @@ from .manifest import (MANIFEST, POINTER, STATE, WEIGHTS_POINTER, Manifest, Poin
                        parse_generation_name, parse_pointer)
 from .state import TrainState
 from .storage import Store
-from .verify import Verified, load_payload, verify_generation
+from .verify import Verified, load_payload, read_manifest, verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
@@ -143,24 +143,35 @@ class CheckpointManager:
         return GenerationInfo.from_verified(self.store, verified)
 
     def _make_room_for(self, name: str) -> None:
-        """An existing generation of the same name is replaced only if it is not the committed one."""
+        """Decide what happens to an existing generation with the name about to be published.
+
+        The committed latest, when valid, is never replaced: saving the same update
+        twice is an error. A damaged one (restore fell back past it) is moved aside
+        under a name restore ignores, keeping the evidence. A valid generation that
+        the pointer does not name is an interrupted or abandoned publication of this
+        update; the new publication supersedes it.
+        """
         if name not in self.store.generations():
             return
         committed = self._committed_name(parse_generation_name(name)[1])
+        try:
+            verify_generation(self.store, name)
+        except CorruptGeneration as exc:
+            aside = self.store.set_aside(name, "rejected")
+            log.warning("moved damaged %s aside to %s before publishing over it: %s", name, aside, exc)
+            return
         if committed is None or committed == name:
             raise GenerationExists(
                 f"{name} is already published{' as latest' if committed else ''}; generations are immutable. "
                 "Advance state.next_update between saves.")
         log.warning("replacing %s, which is not the committed latest (%s): it is an interrupted or "
-                    "abandoned publication", name, committed)
+                    "abandoned publication of the same update", name, committed)
         self.store.remove(name)
 
     def _committed_name(self, kind: str) -> str | None:
-        data = self.store.read_pointer(POINTER if kind == "full" else WEIGHTS_POINTER)
-        if data is None:
-            return None
         try:
-            return parse_pointer(data, POINTER).generation
+            data = self.store.read_pointer(POINTER if kind == "full" else WEIGHTS_POINTER)
+            return None if data is None else parse_pointer(data, POINTER).generation
         except CorruptGeneration:
             return None
 
@@ -186,12 +197,27 @@ class CheckpointManager:
 
     def _prune(self, newest: str, kind: str) -> None:
         names = self.store.generations()
-        plan = retention.keep_last(names, newest=newest, kind=kind, keep=self.keep_last)
+        lineage = self._lineage(newest, names) if kind == "full" else None
+        plan = retention.keep_last(names, newest=newest, kind=kind, keep=self.keep_last, lineage=lineage)
+        if plan.off_lineage:
+            log.warning("generations that are not ancestors of %s (skipped by restore, or from an abandoned "
+                        "timeline) are kept and not counted by keep_last: %s", newest, ", ".join(plan.off_lineage))
         if plan.above_newest:
             log.warning("generations newer than the just-published %s are left in place (from an abandoned "
                         "or interrupted run): %s", newest, ", ".join(plan.above_newest))
         for name in plan.prune:
             self.store.remove(name)
+
+    def _lineage(self, newest: str, names: list[str]) -> set[str]:
+        """``newest`` and its ancestors through each manifest's ``parent`` link, as far as they exist."""
+        lineage, name, existing = set(), newest, set(names)
+        while name in existing and name not in lineage:
+            lineage.add(name)
+            try:
+                name = read_manifest(self.store, name)[0].parent
+            except CorruptGeneration:
+                break
+        return lineage
 
     # restoring ---------------------------------------------------------------
     def restore(self, state: TrainState, *, generation: str | None = None, allow_changes: Iterable[str] = (),
@@ -204,11 +230,11 @@ class CheckpointManager:
         contract differs, unless each differing field is in ``allow_changes``.
         """
         allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
-        verified, rejected = self._choose(generation)
-        if verified is None:
+        chosen, rejected = self._choose(generation)
+        if chosen is None:
             return None
+        verified, payload = chosen
         name = verified.manifest.generation
-        payload = load_payload(self.store, verified.manifest)
         accepted = self._check_contract(state, payload, name, allow)
         snapshot.check_components(state, payload, name)
         warnings = snapshot.apply(state, payload, statistical_cuda=rng_statistical_cuda)
@@ -222,14 +248,19 @@ class CheckpointManager:
         return RestoreInfo(GenerationInfo.from_verified(self.store, verified), rejected, tuple(accepted),
                            tuple(warnings))
 
-    def _choose(self, generation: str | None) -> tuple[Verified | None, tuple[Rejection, ...]]:
+    def _load(self, name: str, pointer: Pointer | None) -> tuple[Verified, dict[str, Any]]:
+        """Verify a generation completely, then decode it; any defect is a CorruptGeneration."""
+        verified = verify_generation(self.store, name, pointer)
+        return verified, load_payload(self.store, verified.manifest)
+
+    def _choose(self, generation: str | None) -> tuple[tuple[Verified, dict] | None, tuple[Rejection, ...]]:
         if generation is not None:
             parsed = parse_generation_name(generation)
             if parsed is not None and parsed[1] == "weights":
                 raise WeightsOnlyGeneration(
                     f"{generation} holds weights only: restoring it is a warm start, not a resume. "
                     "Use warm_start() to load its weights, or restore a full generation.")
-            return verify_generation(self.store, generation), ()
+            return self._load(generation, None), ()
         rejected: list[Rejection] = []
         names = self.store.generations()
         candidates = [n for n in names if parse_generation_name(n)[1] == "full"]
@@ -243,24 +274,23 @@ class CheckpointManager:
             candidates = [pointer.generation] + [n for n in candidates if n != pointer.generation]
         for name in candidates:
             try:
-                verified = verify_generation(self.store, name, pointer if pointer and name == pointer.generation
-                                             else None)
+                chosen = self._load(name, pointer if pointer and name == pointer.generation else None)
             except CorruptGeneration as exc:
                 rejected.append(Rejection(name, str(exc)))
                 log.warning("rejected %s: %s", name, exc)
                 continue
             self.last_rejections = tuple(rejected)
-            return verified, tuple(rejected)
+            return chosen, tuple(rejected)
         self.last_rejections = tuple(rejected)
         if not candidates and pointer is None and not pointer_problem:
             return None, ()
         raise NoValidGeneration(self.store.location, rejected)
 
     def _read_pointer(self, generations_exist: bool) -> tuple[Pointer | None, str | None]:
-        data = self.store.read_pointer(POINTER)
-        if data is None:
-            return None, ("missing, but generations exist" if generations_exist else None)
         try:
+            data = self.store.read_pointer(POINTER)
+            if data is None:
+                return None, ("missing, but generations exist" if generations_exist else None)
             pointer = parse_pointer(data, POINTER)
         except CorruptGeneration as exc:
             return None, exc.reason

@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
-from .digest import ALGORITHMS
+from .digest import ALGORITHMS, digest_bytes
 from .errors import CorruptGeneration
 
 FORMAT_VERSION = 1
@@ -74,6 +74,7 @@ class Manifest:
     def to_bytes(self) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
         data["files"] = [asdict(f) for f in self.files]
+        data["self_digest"] = _self_digest(data, self.digest_algorithm)
         return json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"
 
     def file(self, name: str) -> FileRecord:
@@ -95,6 +96,17 @@ class Pointer:
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format": "trainstate-pointer", **asdict(self)}, sort_keys=True).encode() + b"\n"
+
+
+def _self_digest(data: dict, algorithm: str) -> str:
+    """Digest of the manifest's canonical JSON without this field.
+
+    The pointer protects the latest manifest; this protects every manifest,
+    so an edited older generation is caught too. Like every digest here it
+    detects corruption, it does not authenticate.
+    """
+    body = {k: v for k, v in data.items() if k != "self_digest"}
+    return digest_bytes(algorithm, json.dumps(body, indent=1, sort_keys=True).encode())
 
 
 def load_json(data: bytes, where: str) -> dict:
@@ -140,9 +152,11 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     _check(where, raw, {
         "format": str, "format_version": int, "generation": str, "kind": str, "next_update": int,
         "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
-        "versions": dict, "parent": (str, type(None)),
+        "versions": dict, "parent": (str, type(None)), "self_digest": str,
     })
     _check_common(where, raw, "trainstate")
+    if raw["self_digest"] != _self_digest(raw, raw["digest_algorithm"]):
+        raise CorruptGeneration(where, "content does not match its self-digest (the manifest was altered)")
     if parse_generation_name(raw["generation"]) != (raw["next_update"], raw["kind"]):
         raise CorruptGeneration(where, f"generation name {raw['generation']!r:.60} disagrees with its update/kind")
     files = []
@@ -157,7 +171,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         files.append(FileRecord(item["name"], item["size"], item["digest"]))
     if len({f.name for f in files}) != len(files) or STATE not in {f.name for f in files}:
         raise CorruptGeneration(where, f"file list must be unique and include {STATE}")
-    del raw["format"]
+    del raw["format"], raw["self_digest"]
     return Manifest(**{**raw, "files": tuple(files)})
 
 

@@ -64,6 +64,9 @@ class Store(Protocol):
     def remove(self, generation: str) -> None:
         """Make a generation invisible atomically, then delete its files."""
 
+    def set_aside(self, generation: str, reason: str) -> str:
+        """Move a damaged generation out of sight, keeping its files; return its new name."""
+
     def clean_leftovers(self) -> list[str]:
         """Delete what ``leftovers`` lists; return the names removed."""
 

@@ -28,6 +28,7 @@ import torch
 from .errors import CorruptGeneration
 
 MAX_HEADER_BYTES = 64 << 20
+MAX_DIMS = 64  # torch's own limit; also bounds the cost of checking a hostile shape
 CHUNK_BYTES = 16 << 20
 _RAW_KEY = "trainstate.raw_dtypes"
 
@@ -194,7 +195,8 @@ def _entry(name: str, spec: object, raw: dict, where: str) -> Entry:
 
 
 def _int_list(value: object) -> bool:
-    return type(value) is list and all(type(v) is int and 0 <= v < 2**62 for v in value)
+    return (type(value) is list and len(value) <= MAX_DIMS
+            and all(type(v) is int and 0 <= v < 2**62 for v in value))
 
 
 def _read_exact(stream: BinaryIO, n: int, where: str) -> bytes:

@@ -10,7 +10,7 @@ safetensors reader. Every failure is a :class:`CorruptGeneration`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -18,7 +18,7 @@ from . import tensorfile
 from .codec import decode
 from .digest import digest_bytes, digest_stream
 from .errors import CorruptGeneration
-from .manifest import MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, load_json, parse_manifest
+from .manifest import FORMAT_VERSION, MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, load_json, parse_manifest
 from .storage import Store
 
 
@@ -35,7 +35,7 @@ class Verified:
 def _read_limited(store: Store, generation: str, file: str, limit: int) -> bytes:
     try:
         with store.open(generation, file) as stream:
-            data = stream.read(limit + 1)
+            data = read_bounded(stream, limit)
     except FileNotFoundError:
         raise CorruptGeneration(f"{generation}/{file}", "missing") from None
     except OSError as exc:
@@ -43,6 +43,18 @@ def _read_limited(store: Store, generation: str, file: str, limit: int) -> bytes
     if len(data) > limit:
         raise CorruptGeneration(f"{generation}/{file}", f"larger than the {limit}-byte limit")
     return data
+
+
+def read_bounded(stream: BinaryIO, limit: int) -> bytes:
+    """Read at most ``limit + 1`` bytes, allocating no more than the data needs."""
+    chunks, total = [], 0
+    while total <= limit:
+        chunk = stream.read(min(1 << 20, limit + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 def read_manifest(store: Store, generation: str, pointer: Pointer | None = None) -> tuple[Manifest, str, int]:
@@ -94,10 +106,40 @@ def verify_generation(store: Store, generation: str, pointer: Pointer | None = N
 def read_state_json(store: Store, manifest: Manifest) -> dict[str, Any]:
     record = manifest.file(STATE)
     data = _read_limited(store, manifest.generation, STATE, min(record.size, MAX_JSON_BYTES))
-    state = load_json(data, f"{manifest.generation}/{STATE}")
-    if state.get("format") != "trainstate-state" or state.get("kind") != manifest.kind:
-        raise CorruptGeneration(f"{manifest.generation}/{STATE}", "not a trainstate state file of the manifest's kind")
+    where = f"{manifest.generation}/{STATE}"
+    state = load_json(data, where)
+    check_state_schema(state, where, manifest.kind, manifest.next_update)
     return state
+
+
+def check_state_schema(state: dict, where: str, kind: str, next_update: int) -> None:
+    """The top-level shape of state.json; the values inside are checked as they are decoded."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CorruptGeneration(where, what)
+
+    need(state.get("format") == "trainstate-state", "not a trainstate state file")
+    need(state.get("format_version") == FORMAT_VERSION, f"format_version is not {FORMAT_VERSION}")
+    need(state.get("kind") == kind, f"kind differs from the manifest's {kind!r}")
+    expected = {"format", "format_version", "kind", "clocks", "counters", "facts", "components", "contract", "history"}
+    optional = {"rng", "pending_gradients", "grads"} if kind == "full" else set()
+    need(expected <= set(state) <= expected | optional, f"fields {sorted(state)!r:.200} are not those of a {kind} state")
+    clocks = state["clocks"]
+    need(type(clocks) is dict and set(clocks) == {"next_update", "tokens_seen"}
+         and all(type(v) is int and v >= 0 for v in clocks.values()), "malformed clocks")
+    need(clocks["next_update"] == next_update, "next_update differs from the manifest's")
+    need(type(state["counters"]) is dict and all(type(v) is int for v in state["counters"].values()),
+         "malformed counters")
+    components = state["components"]
+    need(type(components) is dict and all(type(c) is dict and set(c) == {"type", "state"} and type(c["type"]) is str
+                                          for c in components.values()), "malformed components")
+    contract = state["contract"]
+    need(type(contract) is dict and set(contract) == {"fields", "versions"}
+         and type(contract["fields"]) is dict and type(contract["versions"]) is dict, "malformed contract")
+    need(type(state["history"]) is list, "malformed history")
+    if kind == "full":
+        need(type(state.get("rng")) is dict and type(state.get("pending_gradients")) is bool, "malformed rng record")
+        need(type(state.get("grads", {})) is dict, "malformed gradients record")
 
 
 def tensor_files(manifest: Manifest) -> list[str]:
