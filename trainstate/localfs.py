@@ -28,7 +28,7 @@ import secrets
 import shutil
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -45,12 +45,47 @@ def _token() -> str:
     return secrets.token_hex(8)
 
 
-def fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
+class PosixOps:
+    """The mutating filesystem calls of the publication protocol, and nothing else.
+
+    Every create, write, fsync, rename and removal the store performs goes
+    through one of these methods, so a test can substitute a recording or
+    fault-injecting subclass and exercise the very code path production runs.
+    """
+
+    def mkdir(self, path: Path) -> None:
+        os.mkdir(path)
+
+    def create(self, path: Path) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
         os.fsync(fd)
-    finally:
+
+    def close(self, fd: int) -> None:
         os.close(fd)
+
+    def fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+    def rmtree(self, path: Path) -> None:
+        shutil.rmtree(path)
 
 
 def open_regular(path: str | Path) -> BinaryIO:
@@ -67,9 +102,33 @@ def open_regular(path: str | Path) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def coalesce(chunks: Iterable[bytes | memoryview], limit: int = 4 << 20) -> Iterator[memoryview]:
+    """Merge small chunks (one per small tensor) into writes of about ``limit`` bytes.
+
+    Large chunks pass through without a copy; only small ones are copied, so a
+    state of many small tensors costs a few large writes instead of thousands
+    of tiny ones.
+    """
+    pending = bytearray()
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        if len(view) >= limit:
+            if pending:
+                yield memoryview(pending)
+                pending = bytearray()
+            yield view
+            continue
+        pending += view
+        if len(pending) >= limit:
+            yield memoryview(pending)
+            pending = bytearray()
+    if pending:
+        yield memoryview(pending)
+
+
+def _write_all(ops: PosixOps, fd: int, data: memoryview) -> None:
     while data:
-        written = os.write(fd, data)
+        written = ops.write(fd, data)
         data = data[written:]
 
 
@@ -79,24 +138,24 @@ class LocalStaging:
     def __init__(self, store: LocalStore, generation: str):
         self.generation = generation
         self._store = store
+        self._ops = store.ops
         self.path = store.root / f"{_PREFIX}staging-{generation}-{_token()}"
-        os.mkdir(self.path)
+        self._ops.mkdir(self.path)
 
     def write(self, file: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
         algorithm = self._store.digest_algorithm
         hasher = new_hasher(algorithm)
         size = 0
-        fd = os.open(self.path / file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = self._ops.create(self.path / file)
         try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
+            for view in coalesce(chunks):
                 hasher.update(view)
-                _write_all(fd, view)
+                _write_all(self._ops, fd, view)
                 size += len(view)
             digest = hasher.hexdigest()
             self._sync_and_read_back(fd, file, size, digest)
         finally:
-            os.close(fd)
+            self._ops.close(fd)
         return FileRecord(file, size, digest)
 
     def _sync_and_read_back(self, fd: int, file: str, size: int, digest: str) -> None:
@@ -105,7 +164,7 @@ class LocalStaging:
 
         def sync() -> None:
             try:
-                os.fsync(fd)
+                self._ops.fsync(fd)
             except BaseException as exc:  # re-raised below, on the caller's thread
                 failure.append(exc)
 
@@ -128,19 +187,25 @@ class LocalStaging:
         final = self._store.root / self.generation
         if os.path.lexists(final):
             raise GenerationExists(f"{final} already exists; a published generation is never overwritten")
-        fsync_dir(self.path)
-        os.rename(self.path, final)
-        fsync_dir(self._store.root)
+        self._ops.fsync_dir(self.path)
+        self._ops.rename(self.path, final)
+        self._ops.fsync_dir(self._store.root)
 
     def abort(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Best effort: if removal fails too, the next save's cleanup removes the leftover."""
+        try:
+            self._ops.rmtree(self.path)
+        except OSError:
+            pass
 
 
 class LocalStore:
     """Generations as directories on one local POSIX filesystem."""
 
-    def __init__(self, root: str | Path, digest_algorithm: str = "blake3", *, create: bool = True):
+    def __init__(self, root: str | Path, digest_algorithm: str = "blake3", *, create: bool = True,
+                 ops: PosixOps | None = None):
         self.root = Path(root)
+        self.ops = ops if ops is not None else PosixOps()
         self.location = str(self.root)
         self.digest_algorithm = digest_algorithm
         self._lock_fd: int | None = None
@@ -192,35 +257,39 @@ class LocalStore:
         return LocalStaging(self, generation)
 
     def write_pointer(self, name: str, data: bytes) -> None:
+        ops = self.ops
         tmp = self.root / f"{_PREFIX}tmp-{name}-{_token()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = ops.create(tmp)
         try:
             try:
-                _write_all(fd, memoryview(data))
-                os.fsync(fd)
+                _write_all(ops, fd, memoryview(data))
+                ops.fsync(fd)
             finally:
-                os.close(fd)
+                ops.close(fd)
             target = self.root / name
             if target.is_dir() and not target.is_symlink():
                 # Something that is not our pointer occupies its name; keep it, out of the way.
-                os.rename(target, self.root / f"{name}.rejected-{_token()}")
-            os.replace(tmp, target)
+                ops.rename(target, self.root / f"{name}.rejected-{_token()}")
+            ops.replace(tmp, target)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            try:
+                ops.unlink(tmp)
+            except OSError:
+                pass  # the next save's cleanup removes it
             raise
-        fsync_dir(self.root)
+        ops.fsync_dir(self.root)
 
     def remove(self, generation: str) -> None:
         trash = self.root / f"{_PREFIX}trash-{generation}-{_token()}"
-        os.rename(self.root / generation, trash)
-        fsync_dir(self.root)
-        shutil.rmtree(trash)
+        self.ops.rename(self.root / generation, trash)
+        self.ops.fsync_dir(self.root)
+        self.ops.rmtree(trash)
 
     def set_aside(self, generation: str, reason: str) -> str:
         """Rename a generation out of sight of restore and cleanup, keeping its files as evidence."""
         aside = f"{generation}.{reason}-{_token()}"
-        os.rename(self.root / generation, self.root / aside)
-        fsync_dir(self.root)
+        self.ops.rename(self.root / generation, self.root / aside)
+        self.ops.fsync_dir(self.root)
         return aside
 
     def clean_leftovers(self) -> list[str]:
@@ -228,9 +297,9 @@ class LocalStore:
         for name in self.leftovers():
             path = self.root / name
             if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+                self.ops.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                self.ops.unlink(path)
             removed.append(name)
         return removed
 
