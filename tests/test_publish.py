@@ -228,3 +228,22 @@ def test_real_enospc_keeps_previous_generation(tiny_fs):
         filler.unlink()
         ckpt.save(state)
         assert ckpt.latest() == "gen-000000000002"
+
+
+def test_digest_written_beside_a_long_write_is_the_file_digest(tmp_path):
+    """Many large chunks keep the digest thread behind the writer; every chunk must still be hashed."""
+    from trainstate import tensorfile
+    from trainstate.digest import digest_bytes, new_hasher
+    from trainstate.localfs import PosixOps, _hash_while_writing, coalesce
+
+    tensors = {f"t{i}": torch.full((3 << 20,), float(i)) for i in range(12)}  # 12 x 12 MiB
+    layout = tensorfile.plan(tensors)
+    for algorithm in ("blake3", "sha256"):
+        path = tmp_path / algorithm
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        hasher = new_hasher(algorithm)
+        size = _hash_while_writing(PosixOps(), fd, coalesce(tensorfile.chunks(layout, tensors)), hasher)
+        os.close(fd)
+        data = path.read_bytes()
+        assert size == len(data) == layout.size
+        assert hasher.hexdigest() == digest_bytes(algorithm, data)

@@ -28,11 +28,13 @@ import secrets
 import shutil
 import stat
 import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .digest import digest_stream, new_hasher
+from .digest import Hasher, digest_stream, new_hasher
 from .errors import CorruptGeneration, DirectoryLocked, GenerationExists, TrainStateError
 from .manifest import FileRecord, newest_first
 
@@ -126,6 +128,33 @@ def coalesce(chunks: Iterable[bytes | memoryview], limit: int = 4 << 20) -> Iter
         yield memoryview(pending)
 
 
+def _hash_while_writing(ops: PosixOps, fd: int, views: Iterable[memoryview], hasher: Hasher) -> int:
+    """Write ``views`` to ``fd`` while a second thread digests the same views, in order.
+
+    The digest is of the bytes handed to write(), computed beside the write
+    rather than before it, so hashing does not lengthen the save. At most a few
+    views are in flight, which bounds the memory held for chunks that are
+    temporary copies (from CUDA, or coalesced small tensors).
+    """
+    size = 0
+    in_flight: deque[Future] = deque()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-digest") as hashing:
+        try:
+            for view in views:
+                in_flight.append(hashing.submit(hasher.update, view))
+                _write_all(ops, fd, view)
+                size += len(view)
+                while len(in_flight) > 4:
+                    in_flight.popleft().result()
+        except BaseException:
+            for pending in in_flight:  # the file is abandoned: skip what has not started
+                pending.cancel()
+            raise
+        for pending in in_flight:
+            pending.result()
+    return size
+
+
 def _write_all(ops: PosixOps, fd: int, data: memoryview) -> None:
     while data:
         written = ops.write(fd, data)
@@ -143,15 +172,10 @@ class LocalStaging:
         self._ops.mkdir(self.path)
 
     def write(self, file: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-        algorithm = self._store.digest_algorithm
-        hasher = new_hasher(algorithm)
-        size = 0
+        hasher = new_hasher(self._store.digest_algorithm)
         fd = self._ops.create(self.path / file)
         try:
-            for view in coalesce(chunks):
-                hasher.update(view)
-                _write_all(self._ops, fd, view)
-                size += len(view)
+            size = _hash_while_writing(self._ops, fd, coalesce(chunks), hasher)
             digest = hasher.hexdigest()
             self._sync_and_read_back(fd, file, size, digest)
         finally:

@@ -77,14 +77,16 @@ class CheckpointManager:
     ``keep_last`` full generations are kept (weights-only generations are
     counted separately); pruning runs only after a new generation has
     verified and the pointer has moved. ``digest`` names the content hash
-    (``"blake3"`` or ``"sha256"``). ``verify`` chooses the check after the
-    rename: ``"full"`` re-reads every byte, ``"fast"`` checks the manifest,
-    file set and sizes (content was already read back before the rename).
+    (``"blake3"`` or ``"sha256"``). Every file's bytes are read back and
+    checked against their digest while its fsync runs, before the rename;
+    ``verify`` chooses the check after the rename: ``"fast"`` (default)
+    checks the manifest's digest, the file set and every size, ``"full"``
+    also re-reads and re-hashes every byte (it costs a full read).
     The manager holds an exclusive lock on the directory while open.
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int = 3, digest: str = "blake3",
-                 verify: str = "full", store: Store | None = None):
+                 verify: str = "fast", store: Store | None = None):
         if type(keep_last) is not int or keep_last < 1:
             raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
         if verify not in ("full", "fast"):
