@@ -25,7 +25,7 @@ from .manifest import (MANIFEST, POINTER, STATE, WEIGHTS_POINTER, Manifest, Poin
                        parse_generation_name, parse_pointer)
 from .state import TrainState
 from .storage import Store
-from .verify import Verified, load_payload, read_manifest, verify_generation
+from .verify import Verified, load_verified, read_manifest, verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
@@ -251,9 +251,8 @@ class CheckpointManager:
                            tuple(warnings))
 
     def _load(self, name: str, pointer: Pointer | None) -> tuple[Verified, dict[str, Any]]:
-        """Verify a generation completely, then decode it; any defect is a CorruptGeneration."""
-        verified = verify_generation(self.store, name, pointer)
-        return verified, load_payload(self.store, verified.manifest)
+        """Verify a generation completely while decoding it; any defect is a CorruptGeneration."""
+        return load_verified(self.store, name, pointer)
 
     def _choose(self, generation: str | None) -> tuple[tuple[Verified, dict] | None, tuple[Rejection, ...]]:
         if generation is not None:

@@ -1,7 +1,7 @@
 """Trusted reading: check pointer -> manifest -> files before using any byte.
 
 ``read_manifest`` and ``verify_generation`` never load tensor data into
-objects; ``load_payload`` runs only on a generation that verified and returns
+objects; ``load_verified`` reads each file once, checks its digest, and returns
 the decoded state. Nothing here calls pickle, ``torch.load`` or ``eval``: JSON
 goes through ``json.loads`` with size limits, tensors through the strict
 safetensors reader. Every failure is a :class:`CorruptGeneration`.
@@ -9,6 +9,8 @@ safetensors reader. Every failure is a :class:`CorruptGeneration`.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -16,7 +18,7 @@ import torch
 
 from . import tensorfile
 from .codec import decode
-from .digest import digest_bytes, digest_stream
+from .digest import digest_bytes, digest_stream, new_hasher
 from .errors import CorruptGeneration
 from .manifest import FORMAT_VERSION, MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, load_json, parse_manifest
 from .storage import Store
@@ -155,33 +157,113 @@ def read_layouts(store: Store, manifest: Manifest) -> dict[str, tensorfile.Layou
     return layouts
 
 
-def load_payload(store: Store, manifest: Manifest, component: str | None = None) -> dict[str, Any]:
-    """Decode a verified generation: the state skeleton with its tensors loaded.
+class _DigestingReader:
+    """Reads a file strictly in order while a worker thread digests every byte read.
 
-    With ``component``, only that component's state is decoded and only the
-    tensors it references are read.
+    Lets restore read each tensor once, straight into a fresh tensor, and check
+    the file's digest from the same buffers instead of a second full read.
     """
-    state = read_state_json(store, manifest)
-    where_state = f"{manifest.generation}/{STATE}"
+
+    def __init__(self, stream: BinaryIO, algorithm: str, pool: ThreadPoolExecutor):
+        self._stream, self._hasher, self._pool = stream, new_hasher(algorithm), pool
+        self._pending: deque[Future] = deque()
+        self.position = 0
+
+    def _digest(self, data: bytes | memoryview) -> None:
+        self._pending.append(self._pool.submit(self._hasher.update, data))
+        self.position += len(data)
+        while len(self._pending) > 8:
+            self._pending.popleft().result()
+
+    def read(self, n: int) -> bytes:
+        data = self._stream.read(n)
+        self._digest(data)
+        return data
+
+    def readinto(self, view: memoryview) -> int:
+        n = self._stream.readinto(view)
+        if n:
+            self._digest(memoryview(view)[:n])
+        return n
+
+    def seek(self, offset: int) -> int:
+        if offset != self.position:  # entries are contiguous and read in order
+            raise CorruptGeneration("tensor file", f"non-sequential read to {offset} at {self.position}")
+        return offset
+
+    def hexdigest(self) -> str:
+        while self._pending:
+            self._pending.popleft().result()
+        return self._hasher.hexdigest()
+
+
+def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
+                  component: str | None = None) -> tuple[Verified, dict[str, Any]]:
+    """Verify a generation completely and decode it, reading every byte once.
+
+    Structure first (manifest against the pointer, file set, sizes); then each
+    file is read once, its digest checked, and tensors land in freshly
+    allocated memory. Nothing reaches a live object here: the caller loads the
+    returned payload only after this returns. With ``component``, only that
+    component is decoded (every file is still read and verified).
+    """
+    verified = verify_generation(store, generation, pointer, content=False)
+    manifest = verified.manifest
+    state = _read_verified_state(store, manifest)
+    where_state = f"{generation}/{STATE}"
     if component is not None:
-        components = state.get("components")
-        if type(components) is not dict or component not in components:
+        if component not in state["components"]:
             raise CorruptGeneration(where_state, f"has no component {component!r}")
-        state = components[component]
+        state = state["components"][component]
     try:
         wanted = set(referenced_tensors(state))
         tensors: dict[str, torch.Tensor] = {}
-        for name, layout in read_layouts(store, manifest).items():
-            where = f"{manifest.generation}/{name}"
-            with store.open(manifest.generation, name) as stream:
-                for entry in layout.entries:
-                    if entry.name in tensors:
-                        raise CorruptGeneration(where, f"tensor {entry.name!r:.80} appears in two files")
-                    if entry.name in wanted:
-                        tensors[entry.name] = tensorfile.read_tensor(stream, layout, entry, where)
-        return decode(state, component or "", tensors)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-verify") as pool:
+            for name in tensor_files(manifest):
+                _read_tensor_file(store, manifest, name, wanted, tensors, pool)
+        return Verified(manifest, verified.manifest_digest, verified.manifest_size, True), \
+            decode(state, component or "", tensors)
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
+    except OSError as exc:
+        raise CorruptGeneration(generation, f"unreadable ({exc.strerror})") from None
+
+
+def _read_verified_state(store: Store, manifest: Manifest) -> dict[str, Any]:
+    record = manifest.file(STATE)
+    where = f"{manifest.generation}/{STATE}"
+    data = _read_limited(store, manifest.generation, STATE, min(record.size, MAX_JSON_BYTES))
+    if len(data) != record.size or digest_bytes(manifest.digest_algorithm, data) != record.digest:
+        raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
+    state = load_json(data, where)
+    check_state_schema(state, where, manifest.kind, manifest.next_update)
+    return state
+
+
+def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[str],
+                      tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor) -> None:
+    record = manifest.file(name)
+    where = f"{manifest.generation}/{name}"
+    with store.open(manifest.generation, name) as stream:
+        reader = _DigestingReader(stream, manifest.digest_algorithm, pool)
+        mismatch = CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
+        try:
+            layout = tensorfile.parse_header(reader, record.size, where)
+            for entry in layout.entries:
+                if entry.name in tensors:
+                    raise CorruptGeneration(where, f"tensor {entry.name!r:.80} appears in two files")
+                tensor = tensorfile.read_tensor(reader, layout, entry, where)
+                if entry.name in wanted:
+                    tensors[entry.name] = tensor
+        except CorruptGeneration as exc:
+            # Name the root cause: a file that fails to parse has almost always been altered.
+            while reader.position <= record.size and reader.read(1 << 20):
+                pass
+            if reader.hexdigest() != record.digest:
+                raise mismatch from exc
+            raise
+        if reader.position != record.size or reader.hexdigest() != record.digest:
+            raise mismatch
 
 
 def referenced_tensors(skeleton: Any) -> list[str]:
@@ -200,3 +282,8 @@ def referenced_tensors(skeleton: Any) -> list[str]:
                 continue
             stack.extend(node.values())
     return out
+
+
+def load_payload(store: Store, manifest: Manifest) -> dict[str, Any]:
+    """The decoded payload of a generation (verified again while it is read)."""
+    return load_verified(store, manifest.generation)[1]

@@ -16,7 +16,7 @@ from .errors import CorruptGeneration
 from .localfs import LocalStore
 from .manager import GenerationInfo
 from .manifest import MANIFEST, parse_generation_name
-from .verify import load_payload, verify_generation
+from .verify import load_verified
 
 
 def warm_start(source: str | Path, module: torch.nn.Module, *, component: str = "model",
@@ -37,11 +37,10 @@ def warm_start(source: str | Path, module: torch.nn.Module, *, component: str = 
     rejected = []
     for name in names:
         try:
-            verified = verify_generation(store, name)
+            verified, state = load_verified(store, name, component=component)
         except CorruptGeneration as exc:
             rejected.append(Rejection(name, str(exc)))
             continue
-        state = load_payload(store, verified.manifest, component=component)
         if type(state) is not dict or "state" not in state:
             raise StateMismatch(f"component {component!r} in {name} is malformed")
         module.load_state_dict(state["state"], strict=strict)
