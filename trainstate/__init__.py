@@ -24,6 +24,7 @@ from .errors import (ContractMismatch, CorruptGeneration, DirectoryLocked, Field
                      NoValidGeneration, PendingGradients, Rejection, StateMismatch, TopologyMismatch,
                      TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
 from .manager import CheckpointManager, GenerationInfo, RestoreInfo
+from .signing import SigningKey
 from .state import TrainState
 from .warmstart import warm_start
 
@@ -39,6 +40,7 @@ __all__ = [
     "PendingGradients",
     "Rejection",
     "RestoreInfo",
+    "SigningKey",
     "StateMismatch",
     "TopologyMismatch",
     "TrainState",

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CorruptGeneration, TrainStateError
+from . import signing
 from .localfs import LocalStore
+from .signing import SigningKey
 from .manifest import POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
 from .verify import read_layouts, read_manifest, read_state_json, verify_generation
 
@@ -29,14 +31,14 @@ def _open_target(target: str) -> tuple[LocalStore, list[str], bool]:
     return LocalStore(path, create=False), LocalStore(path, create=False).generations(), False
 
 
-def _pointers(store: LocalStore) -> dict[str, dict[str, Any]]:
+def _pointers(store: LocalStore, key: SigningKey | None) -> dict[str, dict[str, Any]]:
     out = {}
     for name in (POINTER, WEIGHTS_POINTER):
         try:
             data = store.read_pointer(name)
             if data is None:
                 continue
-            p = parse_pointer(data, name)
+            p = parse_pointer(data, name, key)
             out[name] = {"generation": p.generation, "ok": True, "pointer": p}
         except CorruptGeneration as exc:
             out[name] = {"generation": None, "ok": False, "error": str(exc)}
@@ -45,14 +47,15 @@ def _pointers(store: LocalStore) -> dict[str, dict[str, Any]]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     store, names, _ = _open_target(args.directory)
-    pointers = _pointers(store)
+    key = signing.resolve(None, store.location)
+    pointers = _pointers(store, key)
     latest = {v["generation"]: k for k, v in pointers.items() if v["ok"]}
     rows = []
     for name in names:
         row: dict[str, Any] = {"generation": name, "update": parse_generation_name(name)[0],
                                "kind": parse_generation_name(name)[1], "latest": latest.get(name)}
         try:
-            v = verify_generation(store, name, content=args.full)
+            v = verify_generation(store, name, content=args.full, key=key)
             row.update(size=v.manifest_size + sum(f.size for f in v.manifest.files), created=v.manifest.created,
                        state="verified" if args.full else "structure ok")
         except (TrainStateError, OSError) as exc:
@@ -78,16 +81,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     store, names, single = _open_target(args.target)
+    key = signing.resolve(None, store.location)
     failures: list[dict[str, str]] = []
     checked = []
     for name in names:
         try:
-            verify_generation(store, name)
+            verify_generation(store, name, key=key)
             checked.append(name)
         except (TrainStateError, OSError) as exc:
             failures.append({"generation": name, "error": str(exc)})
     if not single:
-        pointers = _pointers(store)
+        pointers = _pointers(store, key)
         if POINTER not in pointers and any(parse_generation_name(n)[1] == "full" for n in names):
             failures.append({"generation": POINTER, "error": "missing, but full generations exist; restore "
                              "would have to fall back to the newest generation that verifies"})
@@ -98,7 +102,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 failures.append({"generation": pname, "error": f"names {p['generation']}, which did not verify"})
             else:
                 try:
-                    read_manifest(store, p["generation"], p["pointer"])
+                    read_manifest(store, p["generation"], p["pointer"], key)
                 except TrainStateError as exc:
                     failures.append({"generation": pname, "error": f"names {p['generation']}, which verifies on "
                                      f"its own, but the pointer's record does not match it: {exc}"})

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from . import contract as contract_mod
-from . import retention, snapshot, tensorfile
+from . import retention, signing, snapshot, tensorfile
 from .errors import (ContractMismatch, CorruptGeneration, FieldChange, GenerationExists, NoValidGeneration,
                      PendingGradients, Rejection, WeightsOnlyGeneration)
 from .localfs import LocalStore
 from .manifest import (MANIFEST, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer, generation_name,
                        parse_generation_name, parse_pointer)
+from .signing import SigningKey
 from .state import TrainState
 from .storage import Store
 from .verify import Verified, load_verified, read_manifest, verify_generation
@@ -82,16 +83,21 @@ class CheckpointManager:
     ``verify`` chooses the check after the rename: ``"fast"`` (default)
     checks the manifest's digest, the file set and every size, ``"full"``
     also re-reads and re-hashes every byte (it costs a full read).
+    ``signing_key`` (or ``TRAINSTATE_SIGNING_KEY``/``TRAINSTATE_SIGNING_KEY_FILE``
+    in the environment) signs every manifest and pointer with HMAC-SHA256, and
+    restore then refuses unsigned or forged generations.
     The manager holds an exclusive lock on the directory while open.
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int = 3, digest: str = "blake3",
-                 verify: str = "fast", store: Store | None = None):
+                 verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
+                 store: Store | None = None):
         if type(keep_last) is not int or keep_last < 1:
             raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
         if verify not in ("full", "fast"):
             raise ValueError(f"verify must be 'full' or 'fast', got {verify!r}")
         self.store: Store = store if store is not None else LocalStore(directory, digest)
+        self.key = signing.resolve(signing_key, directory)
         self.keep_last = keep_last
         self.verify_mode = verify
         self.last_rejections: tuple[Rejection, ...] = ()
@@ -130,15 +136,15 @@ class CheckpointManager:
             log.info("removed leftover %s from an interrupted save", leftover)
         manifest_bytes = self._stage_and_commit(name, state, skeleton, tensors)
         try:
-            verified = verify_generation(self.store, name, content=self.verify_mode == "full")
-            if verified.manifest.to_bytes() != manifest_bytes:
+            verified = verify_generation(self.store, name, content=self.verify_mode == "full", key=self.key)
+            if verified.manifest.to_bytes(self.key) != manifest_bytes:
                 raise CorruptGeneration(name, "committed manifest differs from the one written")
         except CorruptGeneration:
             self.store.remove(name)  # committed but not what we wrote: never let it become latest
             raise
         pointer = Pointer(name, verified.manifest_digest, verified.manifest_size,
                           verified.manifest.digest_algorithm, state.next_update, kind)
-        self.store.write_pointer(POINTER if kind == "full" else WEIGHTS_POINTER, pointer.to_bytes())
+        self.store.write_pointer(POINTER if kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(self.key))
         if kind == "full":
             state.parent = name
         self._prune(name, kind)
@@ -157,7 +163,7 @@ class CheckpointManager:
             return
         committed = self._committed_name(parse_generation_name(name)[1])
         try:
-            verify_generation(self.store, name)
+            verify_generation(self.store, name, key=self.key)
         except CorruptGeneration as exc:
             aside = self.store.set_aside(name, "rejected")
             log.warning("moved damaged %s aside to %s before publishing over it: %s", name, aside, exc)
@@ -173,7 +179,7 @@ class CheckpointManager:
     def _committed_name(self, kind: str) -> str | None:
         try:
             data = self.store.read_pointer(POINTER if kind == "full" else WEIGHTS_POINTER)
-            return None if data is None else parse_pointer(data, POINTER).generation
+            return None if data is None else parse_pointer(data, POINTER, self.key).generation
         except CorruptGeneration:
             return None
 
@@ -189,7 +195,7 @@ class CheckpointManager:
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
                 contract_fingerprint=contract_mod.digest(skeleton["contract"]["fields"]),
                 versions=skeleton["contract"]["versions"], parent=state.parent)
-            manifest_bytes = manifest.to_bytes()
+            manifest_bytes = manifest.to_bytes(self.key)
             staging.write(MANIFEST, [manifest_bytes])
             staging.commit()
         except BaseException:
@@ -216,7 +222,7 @@ class CheckpointManager:
         while name in existing and name not in lineage:
             lineage.add(name)
             try:
-                name = read_manifest(self.store, name)[0].parent
+                name = read_manifest(self.store, name, key=self.key)[0].parent
             except CorruptGeneration:
                 break
         return lineage
@@ -252,7 +258,7 @@ class CheckpointManager:
 
     def _load(self, name: str, pointer: Pointer | None) -> tuple[Verified, dict[str, Any]]:
         """Verify a generation completely while decoding it; any defect is a CorruptGeneration."""
-        return load_verified(self.store, name, pointer)
+        return load_verified(self.store, name, pointer, key=self.key)
 
     def _choose(self, generation: str | None) -> tuple[tuple[Verified, dict] | None, tuple[Rejection, ...]]:
         if generation is not None:
@@ -292,7 +298,7 @@ class CheckpointManager:
             data = self.store.read_pointer(POINTER)
             if data is None:
                 return None, ("missing, but generations exist" if generations_exist else None)
-            pointer = parse_pointer(data, POINTER)
+            pointer = parse_pointer(data, POINTER, self.key)
         except CorruptGeneration as exc:
             return None, exc.reason
         if pointer.kind != "full":

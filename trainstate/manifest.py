@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from .digest import ALGORITHMS, digest_bytes
 from .errors import CorruptGeneration
+from .signing import SigningKey
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -71,10 +72,12 @@ class Manifest:
     parent: str | None = None
     format_version: int = FORMAT_VERSION
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, key: SigningKey | None = None) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
         data["files"] = [asdict(f) for f in self.files]
         data["self_digest"] = _self_digest(data, self.digest_algorithm)
+        if key is not None:
+            data["signature"] = key.sign(data)
         return json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"
 
     def file(self, name: str) -> FileRecord:
@@ -94,8 +97,11 @@ class Pointer:
     kind: str = "full"
     format_version: int = FORMAT_VERSION
 
-    def to_bytes(self) -> bytes:
-        return json.dumps({"format": "trainstate-pointer", **asdict(self)}, sort_keys=True).encode() + b"\n"
+    def to_bytes(self, key: SigningKey | None = None) -> bytes:
+        data = {"format": "trainstate-pointer", **asdict(self)}
+        if key is not None:
+            data["signature"] = key.sign(data)
+        return json.dumps(data, sort_keys=True).encode() + b"\n"
 
 
 def _self_digest(data: dict, algorithm: str) -> str:
@@ -105,7 +111,7 @@ def _self_digest(data: dict, algorithm: str) -> str:
     so an edited older generation is caught too. Like every digest here it
     detects corruption, it does not authenticate.
     """
-    body = {k: v for k, v in data.items() if k != "self_digest"}
+    body = {k: v for k, v in data.items() if k not in ("self_digest", "signature")}
     return digest_bytes(algorithm, json.dumps(body, indent=1, sort_keys=True).encode())
 
 
@@ -121,8 +127,12 @@ def load_json(data: bytes, where: str) -> dict:
     return value
 
 
-def _check(where: str, data: dict, spec: dict[str, type | tuple]) -> None:
-    extra = set(data) - set(spec)
+def _check(where: str, data: dict, spec: dict[str, type | tuple], optional: dict[str, type] | None = None) -> None:
+    optional = optional or {}
+    for key, kind in optional.items():
+        if key in data and type(data[key]) is not kind:
+            raise CorruptGeneration(where, f"field {key!r} has the wrong type")
+    extra = set(data) - set(spec) - set(optional)
     if extra:
         raise CorruptGeneration(where, f"unknown fields {sorted(extra)!r:.200}")
     for key, types in spec.items():
@@ -147,16 +157,19 @@ def _check_common(where: str, data: dict, fmt: str) -> None:
         raise CorruptGeneration(where, "next_update is not a valid update number")
 
 
-def parse_manifest(data: bytes, where: str) -> Manifest:
+def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Manifest:
+    """Parse and check a manifest; with ``key``, also require a valid signature."""
     raw = load_json(data, where)
     _check(where, raw, {
         "format": str, "format_version": int, "generation": str, "kind": str, "next_update": int,
         "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
         "versions": dict, "parent": (str, type(None)), "self_digest": str,
-    })
+    }, {"signature": str})
     _check_common(where, raw, "trainstate")
     if raw["self_digest"] != _self_digest(raw, raw["digest_algorithm"]):
         raise CorruptGeneration(where, "content does not match its self-digest (the manifest was altered)")
+    if key is not None:
+        key.check(raw, raw.get("signature"), where)
     if parse_generation_name(raw["generation"]) != (raw["next_update"], raw["kind"]):
         raise CorruptGeneration(where, f"generation name {raw['generation']!r:.60} disagrees with its update/kind")
     files = []
@@ -172,15 +185,20 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if len({f.name for f in files}) != len(files) or STATE not in {f.name for f in files}:
         raise CorruptGeneration(where, f"file list must be unique and include {STATE}")
     del raw["format"], raw["self_digest"]
+    raw.pop("signature", None)
     return Manifest(**{**raw, "files": tuple(files)})
 
 
-def parse_pointer(data: bytes, where: str) -> Pointer:
+def parse_pointer(data: bytes, where: str, key: SigningKey | None = None) -> Pointer:
+    """Parse and check a pointer; with ``key``, also require a valid signature."""
     raw = load_json(data, where)
     _check(where, raw, {
         "format": str, "format_version": int, "generation": str, "manifest_digest": str,
         "manifest_size": int, "digest_algorithm": str, "next_update": int, "kind": str,
-    })
+    }, {"signature": str})
+    if key is not None:
+        key.check(raw, raw.get("signature"), where)
+    raw.pop("signature", None)
     _check_common(where, raw, "trainstate-pointer")
     if parse_generation_name(raw["generation"]) != (raw["next_update"], raw["kind"]):
         raise CorruptGeneration(where, f"pointer names {raw['generation']!r:.60}, which disagrees with its update/kind")

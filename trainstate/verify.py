@@ -21,6 +21,7 @@ from .codec import decode
 from .digest import digest_bytes, digest_stream, new_hasher
 from .errors import CorruptGeneration
 from .manifest import FORMAT_VERSION, MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, load_json, parse_manifest
+from .signing import SigningKey
 from .storage import Store
 
 
@@ -59,12 +60,13 @@ def read_bounded(stream: BinaryIO, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_manifest(store: Store, generation: str, pointer: Pointer | None = None) -> tuple[Manifest, str, int]:
+def read_manifest(store: Store, generation: str, pointer: Pointer | None = None,
+                  key: SigningKey | None = None) -> tuple[Manifest, str, int]:
     """Parse a generation's manifest; with ``pointer``, check it is the one the pointer names."""
     data = _read_limited(store, generation, MANIFEST, MAX_JSON_BYTES)
     where = f"{generation}/{MANIFEST}"
     algorithm = pointer.digest_algorithm if pointer else None
-    manifest = parse_manifest(data, where)
+    manifest = parse_manifest(data, where, key)
     digest = digest_bytes(algorithm or manifest.digest_algorithm, data)
     if pointer is not None and (digest != pointer.manifest_digest or len(data) != pointer.manifest_size):
         raise CorruptGeneration(where, "does not match the digest and size recorded in the latest pointer")
@@ -73,9 +75,10 @@ def read_manifest(store: Store, generation: str, pointer: Pointer | None = None)
     return manifest, digest, len(data)
 
 
-def verify_generation(store: Store, generation: str, pointer: Pointer | None = None, *, content: bool = True) -> Verified:
+def verify_generation(store: Store, generation: str, pointer: Pointer | None = None, *, content: bool = True,
+                      key: SigningKey | None = None) -> Verified:
     """Check the file set and sizes, and with ``content`` every file's digest."""
-    manifest, digest, size = read_manifest(store, generation, pointer)
+    manifest, digest, size = read_manifest(store, generation, pointer, key)
     try:
         present = store.files(generation)
     except OSError as exc:
@@ -198,7 +201,7 @@ class _DigestingReader:
 
 
 def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
-                  component: str | None = None) -> tuple[Verified, dict[str, Any]]:
+                  component: str | None = None, key: SigningKey | None = None) -> tuple[Verified, dict[str, Any]]:
     """Verify a generation completely and decode it, reading every byte once.
 
     Structure first (manifest against the pointer, file set, sizes); then each
@@ -207,7 +210,7 @@ def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
     returned payload only after this returns. With ``component``, only that
     component is decoded (every file is still read and verified).
     """
-    verified = verify_generation(store, generation, pointer, content=False)
+    verified = verify_generation(store, generation, pointer, content=False, key=key)
     manifest = verified.manifest
     state = _read_verified_state(store, manifest)
     where_state = f"{generation}/{STATE}"

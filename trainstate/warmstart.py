@@ -13,14 +13,16 @@ import torch
 
 from .errors import NoValidGeneration, Rejection, StateMismatch
 from .errors import CorruptGeneration
+from . import signing
 from .localfs import LocalStore
+from .signing import SigningKey
 from .manager import GenerationInfo
 from .manifest import MANIFEST, parse_generation_name
 from .verify import load_verified
 
 
 def warm_start(source: str | Path, module: torch.nn.Module, *, component: str = "model",
-               strict: bool = True) -> GenerationInfo:
+               strict: bool = True, signing_key: SigningKey | bytes | str | None = None) -> GenerationInfo:
     """Load ``component``'s weights from a run directory or one generation directory into ``module``.
 
     From a run directory, the newest generation (full or weights-only) that
@@ -34,10 +36,11 @@ def warm_start(source: str | Path, module: torch.nn.Module, *, component: str = 
     else:
         store = LocalStore(path, create=False)
         names = store.generations()
+    key = signing.resolve(signing_key, store.location)
     rejected = []
     for name in names:
         try:
-            verified, state = load_verified(store, name, component=component)
+            verified, state = load_verified(store, name, component=component, key=key)
         except CorruptGeneration as exc:
             rejected.append(Rejection(name, str(exc)))
             continue

@@ -1,0 +1,76 @@
+"""Opt-in authentication of generations with HMAC-SHA256.
+
+A digest stored beside the data it describes detects accidents, not forgeries:
+whoever can write the run directory can rewrite both. With a signing key, the
+manager signs every manifest (which lists each file's BLAKE3/SHA-256 digest) and
+every pointer, and readers refuse anything unsigned, forged or signed with
+another key.
+
+The key comes from ``CheckpointManager(signing_key=...)``, or the environment:
+``TRAINSTATE_SIGNING_KEY`` (the key itself) or ``TRAINSTATE_SIGNING_KEY_FILE``
+(a file holding it). It is never written to the run directory, and a key file
+inside the run directory is refused. Without a key, signatures are neither
+written nor checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from pathlib import Path
+
+from .errors import CorruptGeneration, TrainStateError
+
+ENV_KEY = "TRAINSTATE_SIGNING_KEY"
+ENV_KEY_FILE = "TRAINSTATE_SIGNING_KEY_FILE"
+MIN_KEY_BYTES = 16
+
+
+class SigningKey:
+    """A secret for HMAC-SHA256. ``repr`` never shows it."""
+
+    def __init__(self, secret: bytes | str):
+        secret = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if len(secret) < MIN_KEY_BYTES:
+            raise TrainStateError(f"a signing key needs at least {MIN_KEY_BYTES} bytes; got {len(secret)}")
+        self._secret = secret
+
+    def __repr__(self) -> str:
+        return "SigningKey(<hidden>)"
+
+    def sign(self, body: dict) -> str:
+        return hmac.new(self._secret, canonical(body), hashlib.sha256).hexdigest()
+
+    def check(self, body: dict, signature: object, where: str) -> None:
+        if signature is None:
+            raise CorruptGeneration(where, "is not signed, but a signing key is configured; refusing it")
+        if type(signature) is not str or not hmac.compare_digest(self.sign(body), signature):
+            raise CorruptGeneration(where, "signature does not match: forged, altered, or signed with another key")
+
+
+def canonical(body: dict) -> bytes:
+    return json.dumps({k: v for k, v in body.items() if k != "signature"}, sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+def resolve(key: SigningKey | bytes | str | None, run_directory: str | Path | None = None) -> SigningKey | None:
+    """The key to use: the explicit one, else the environment's, else ``None``."""
+    if isinstance(key, SigningKey):
+        return key
+    if key is not None:
+        return SigningKey(key)
+    if os.environ.get(ENV_KEY):
+        return SigningKey(os.environ[ENV_KEY])
+    path = os.environ.get(ENV_KEY_FILE)
+    if not path:
+        return None
+    key_path = Path(path).resolve()
+    if run_directory is not None and Path(run_directory).resolve() in key_path.parents:
+        raise TrainStateError(f"{ENV_KEY_FILE} points inside the run directory {run_directory}; a key stored "
+                              "next to what it signs authenticates nothing. Keep it elsewhere.")
+    try:
+        return SigningKey(key_path.read_bytes().strip())
+    except OSError as exc:
+        raise TrainStateError(f"cannot read the signing key file {path}: {exc.strerror}") from None
