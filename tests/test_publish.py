@@ -51,17 +51,6 @@ def test_durable_steps_happen_in_protocol_order(tmp_path, monkeypatch):
     assert gen not in [p for _, p in events[rename_at + 1:]]  # nothing rewrites the published generation
 
 
-def _two_generations(tmp_path):
-    state = build()
-    step(state)
-    with ts.CheckpointManager(tmp_path) as ckpt:
-        ckpt.save(state)
-    expected = {k: v for k, v in full_state(state).items()}
-    expected = json.loads(json.dumps({"u": state.next_update}))
-    step(state)
-    return state
-
-
 class FailingStore(LocalStore):
     """The real local store with one step made to fail, as a full disk or a dying device would."""
 
@@ -150,7 +139,6 @@ def test_keep_last_prunes_after_commit_and_spares_foreign_and_newer(tmp_path):
             ckpt.save(state)
             if state.next_update == 2:
                 shutil.copytree(tmp_path / "gen-000000000002", orphan)
-                manifest = json.loads((orphan / "manifest.json").read_text())
     gens = [n for n in _names(tmp_path) if n.startswith("gen-")]
     assert gens == ["gen-000000000004", "gen-000000000005", "gen-000000000099-notes", "gen-000000000500"]
     assert json.loads((tmp_path / "latest").read_text())["generation"] == "gen-000000000005"
