@@ -109,6 +109,19 @@ def tree(root: Path) -> dict[str, object]:
     return out
 
 
+def assert_only_gen4_added(before: dict, after: dict) -> None:
+    """A save adds gen 4 and moves the pointer; every other entry is untouched. A directory
+    squatting on the pointer's name is kept, renamed out of the way."""
+    aside = {k.replace(k.split("/")[0], POINTER, 1): v for k, v in after.items()
+             if k.startswith(f"{POINTER}.rejected-")}
+    assert {k: v for k, v in after.items()
+            if k != POINTER and not k.startswith((gen(4), f"{POINTER}.rejected-"))} == \
+        {k: v for k, v in before.items() if k != POINTER and not k.startswith(f"{POINTER}/")}, \
+        "a save deleted or changed another generation"
+    if aside:
+        assert aside == {k: v for k, v in before.items() if k == POINTER or k.startswith(f"{POINTER}/")}
+
+
 def restore_fresh(root: Path, keep_last: int = 5) -> tuple[ts.TrainState, ts.RestoreInfo | None]:
     state = trainer.build(seed=777)  # another seed: every restored bit must come from the checkpoint
     with ts.CheckpointManager(root, keep_last=keep_last) as ckpt:
@@ -313,15 +326,7 @@ def test_save_after_fallback_keeps_every_other_generation(run, pristine, damage)
     with ts.CheckpointManager(run, keep_last=5) as ckpt:
         ckpt.save(state)
     expected = saved_record(state)
-    after_save = tree(run)
-    # a directory squatting on the pointer's name is kept, renamed out of the way
-    aside = {k.replace(k.split("/")[0], POINTER, 1): v for k, v in after_save.items()
-             if k.startswith(f"{POINTER}.rejected-")}
-    assert {k: v for k, v in after_save.items()
-            if k != POINTER and not k.startswith((gen(4), f"{POINTER}.rejected-"))} == \
-        {k: v for k, v in before.items() if k != POINTER and not k.startswith(f"{POINTER}/")}
-    if aside:
-        assert aside == {k: v for k, v in before.items() if k == POINTER or k.startswith(f"{POINTER}/")}, "a save deleted or changed another generation"
+    assert_only_gen4_added(before, tree(run))
     assert json.loads((run / POINTER).read_bytes())["generation"] == gen(4)
     again, info = restore_fresh(run)
     assert info.generation.name == gen(4) and info.rejected == ()
@@ -460,15 +465,7 @@ def test_save_after_run_damage_keeps_every_other_generation(run, pristine, damag
     before = tree(run)
     with ts.CheckpointManager(run, keep_last=5) as ckpt:
         ckpt.save(state)
-    after_save = tree(run)
-    # a directory squatting on the pointer's name is kept, renamed out of the way
-    aside = {k.replace(k.split("/")[0], POINTER, 1): v for k, v in after_save.items()
-             if k.startswith(f"{POINTER}.rejected-")}
-    assert {k: v for k, v in after_save.items()
-            if k != POINTER and not k.startswith((gen(4), f"{POINTER}.rejected-"))} == \
-        {k: v for k, v in before.items() if k != POINTER and not k.startswith(f"{POINTER}/")}
-    if aside:
-        assert aside == {k: v for k, v in before.items() if k == POINTER or k.startswith(f"{POINTER}/")}
+    assert_only_gen4_added(before, tree(run))
     again, info = restore_fresh(run)
     assert info.generation.name == gen(4) and info.rejected == ()
 
