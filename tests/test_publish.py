@@ -87,7 +87,6 @@ def test_failed_save_publishes_nothing_and_keeps_latest(tmp_path, fail_at):
     step(state)
     with ts.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(state)
-    saved = full_state(build())
     with ts.CheckpointManager(tmp_path) as ckpt:
         ckpt.restore(reference := build(seed=9))
     pointer_before = (tmp_path / "latest").read_bytes()

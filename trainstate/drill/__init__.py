@@ -1,0 +1,73 @@
+"""Kill drill: train in a child process, SIGKILL it at random moments, resume, compare bitwise.
+
+Two halves share this module so that the demo, the tests and a person at a
+shell all run the same thing:
+
+* the worker, ``python -m trainstate.drill worker --dir D --total N --every K``,
+  trains a small deterministic model (every kind of state a real run has:
+  parameters, BatchNorm buffers, AdamW moments, an LR schedule, a GradScaler,
+  and five random streams, each drawn from in every update), resumes from
+  ``D``, saves every ``K`` updates and a final generation at ``N``, then writes
+  the *next draws* of every random stream and a probe update to
+  ``D/next_draws.json``. It reports progress on stdout, one line each::
+
+      ready                 built; waiting for "go" on stdin (--wait-for-go)
+      fresh | restored <generation> next_update=<n> rejected=<names or -> identical=<0|1>
+      training <n>
+      step <n>              after each update
+      saving <n>            right before ckpt.save
+      saved <n>             right after it returns
+      done <n>
+
+* the parent (:func:`run_reference`, :func:`run_interrupted`,
+  :func:`compare_runs`) runs one uninterrupted reference and one run that is
+  SIGKILLed repeatedly, some kills at random moments and some just after a
+  ``saving`` line so that they land inside the save. After every kill it
+  checks that every visible generation verifies in full and predicts which
+  generation the next start must restore; the next start must report it.
+
+Workers start either as fresh interpreters (:class:`Spawner`) or forked from
+a process that imported torch once (:class:`Zygote`); both are real
+processes that build everything and restore from disk after they start.
+"""
+
+from __future__ import annotations
+
+from .worker import DRAWS_FILE, DrillConfig, DrillError, FORGET_CHOICES, IN_FEATURES, OUT_FEATURES, build, build_model, next_draws, probe, train_step, worker_main
+from .launch import Spawner, Zygote, worker_args, worker_env, zygote_main
+from .driver import DrillReport, KillPlan, RESTORE_WINDOW_S, Start, Timing, check_visible, expected_restore, plan_kills, run_interrupted, run_reference
+from .compare import Comparison, compare_runs, compare_values, describe_compared
+
+__all__ = [
+    'Comparison',
+    'DRAWS_FILE',
+    'DrillConfig',
+    'DrillError',
+    'DrillReport',
+    'FORGET_CHOICES',
+    'IN_FEATURES',
+    'KillPlan',
+    'OUT_FEATURES',
+    'RESTORE_WINDOW_S',
+    'Spawner',
+    'Start',
+    'Timing',
+    'Zygote',
+    'build',
+    'build_model',
+    'check_visible',
+    'compare_runs',
+    'compare_values',
+    'describe_compared',
+    'expected_restore',
+    'next_draws',
+    'plan_kills',
+    'probe',
+    'run_interrupted',
+    'run_reference',
+    'train_step',
+    'worker_args',
+    'worker_env',
+    'worker_main',
+    'zygote_main',
+]

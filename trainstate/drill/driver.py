@@ -1,0 +1,321 @@
+"""The parent side: one uninterrupted reference run, one run SIGKILLed again and again,
+and the checks made after every kill.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from ..errors import TrainStateError
+from ..localfs import LocalStore
+from ..manifest import POINTER, generation_name, parse_generation_name, parse_pointer
+from ..verify import verify_generation
+from .worker import DrillConfig, DrillError
+from .launch import Spawner, _Child, _Pool, _TIMEOUT, worker_args
+
+
+# parent: the drill -------------------------------------------------------------
+@dataclass(frozen=True)
+class Timing:
+    """The reference run's pace, used to place kills inside the interrupted run."""
+
+    startup_s: float  # spawn to ready: interpreter, imports, building the state
+    per_update_s: float  # training and saving, per update
+    save_s: float  # median duration of one save
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class KillPlan:
+    """When to SIGKILL one worker start.
+
+    ``save``: after a ``saving`` line (which one: ``fraction`` of the saves
+    still ahead), wait ``delay`` times the reference's median save duration, so
+    kills reach every phase of a save on a slow disk or a fast one. ``time``:
+    after a ``step`` line (which one: ``fraction`` of the updates still ahead),
+    wait ``delay`` times the reference's time per update, which lands anywhere
+    in training or saving but never after the end, however fast the worker
+    runs. ``restore``: ``fraction`` of RESTORE_WINDOW_S after go.
+    """
+
+    mode: str
+    fraction: float
+    delay: float = 0.0
+
+
+RESTORE_WINDOW_S = 0.15
+
+
+def plan_kills(rng: random.Random, kills: int) -> list[KillPlan]:
+    """A reproducible schedule: mostly kills aimed at saves and at random times, at least one per save."""
+    plans = []
+    for _ in range(kills):
+        mode = rng.choices(["save", "time", "restore"], weights=[5, 4, 1])[0]
+        plans.append(KillPlan(mode, rng.uniform(0.0, 0.9), rng.random()))
+    if kills and not any(p.mode == "save" for p in plans):
+        plans[rng.randrange(kills)] = KillPlan("save", rng.uniform(0.0, 0.9), rng.random())
+    return plans
+
+
+@dataclass
+class Start:
+    """One worker start of the interrupted run."""
+
+    index: int
+    plan: KillPlan | None
+    restored: str | None = None  # the generation it restored; None if fresh or killed first
+    killed_after_s: float | None = None  # seconds after go
+    landed: str = ""  # where the kill landed
+    during_save: bool = False
+    exit_code: int | None = None
+
+
+@dataclass
+class DrillReport:
+    seed: int
+    starts: list[Start] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    finished: bool = False
+    verified_after_kills: int = 0  # generation verifications done after kills
+    wall_s: float = 0.0
+
+    @property
+    def kills(self) -> int:
+        return sum(s.killed_after_s is not None for s in self.starts)
+
+    @property
+    def kills_during_save(self) -> int:
+        return sum(s.during_save for s in self.starts)
+
+    @property
+    def resumes(self) -> int:
+        return sum(s.restored is not None for s in self.starts)
+
+
+def run_reference(cfg: DrillConfig, directory: Path, *, launcher: Spawner | None = None,
+                  timeout_s: float = 300.0) -> Timing:
+    """Train ``cfg`` uninterrupted in ``directory`` (which must be empty)."""
+    _require_empty(directory)
+    child = _Child(launcher or Spawner(), worker_args(cfg, directory))
+    try:
+        deadline = time.monotonic() + timeout_s
+        child.wait_ready(deadline)
+        ready = child.go()
+        started = done = None
+        saves: list[float] = []
+        while (line := child.next_line(deadline)) not in (None, _TIMEOUT):
+            word, now = line.partition(" ")[0], time.monotonic()
+            if word == "training":
+                started = now
+            elif word == "saving":
+                saving = now
+            elif word == "saved":
+                saves.append(now - saving)
+            elif word == "done":
+                done = now
+        if line is _TIMEOUT:
+            raise DrillError(f"reference run did not finish in {timeout_s:.0f} s: {child.tail()}")
+    finally:
+        child.kill()
+        code = child.reap()
+    if code != 0 or started is None or done is None or not saves:
+        raise DrillError(f"reference run failed (exit {code}): {child.tail()}")
+    return Timing(ready - child.spawned, (done - started) / cfg.total, sorted(saves)[len(saves) // 2],
+                  done - child.spawned)
+
+
+def _require_empty(directory: Path) -> None:
+    if directory.exists() and any(directory.iterdir()):
+        raise DrillError(f"{directory} is not empty; the drill needs a fresh directory for each run")
+
+
+def run_interrupted(cfg: DrillConfig, directory: Path, *, kills: int, seed: int,
+                    timing: Timing | Callable[[], Timing], plans: list[KillPlan] | None = None,
+                    forget: str | None = None, launcher: Spawner | None = None, spares: int = 1,
+                    log: Callable[[str], None] | None = None, start_timeout_s: float = 300.0) -> DrillReport:
+    """Start the worker until it finishes on its own, SIGKILLing the first ``kills`` starts.
+
+    ``timing`` may be a callable (say, one that runs the reference): it is
+    called after the first workers have been spawned, so their start-up
+    overlaps it.
+    """
+    _require_empty(directory)
+    plans = plans if plans is not None else plan_kills(random.Random(seed), kills)
+    report = DrillReport(seed)
+    store = LocalStore(directory)
+    pool = _Pool(launcher or Spawner(), worker_args(cfg, directory, forget), spares, starts=len(plans) + 1)
+    try:
+        timing = timing() if callable(timing) else timing
+        began = time.monotonic()
+        expected: str | None = None  # what the next start must restore
+        for index in range(1, len(plans) + 4):
+            start = Start(index, plans[index - 1] if index <= len(plans) else None)
+            report.starts.append(start)
+            child = pool.take(start_timeout_s, more=max(0, len(plans) + 1 - index))
+            leftovers, pointer = set(store.leftovers()), _pointer_name(store)
+            share = 1 / max(1, len(plans) - index + 1)  # each kill aims within its share of what is left
+            _run_start(child, start, share, cfg, timing, start_timeout_s)
+            report.problems += _check_restore(start, child, expected, pointer)
+            if start.killed_after_s is None:
+                if start.exit_code != 0:
+                    report.problems.append(f"start {index} failed with exit {start.exit_code}: {child.tail()}")
+                report.finished = start.exit_code == 0
+                break
+            expected = _after_kill(start, child, store, leftovers, report)
+            if log:
+                log(_describe_start(start))
+        else:
+            report.problems.append(f"the worker did not finish after {len(report.starts)} starts")
+    finally:
+        pool.close()
+    report.wall_s = time.monotonic() - began
+    if log and report.starts and report.finished:
+        log(_describe_start(report.starts[-1]))
+    return report
+
+
+def _run_start(child: _Child, start: Start, share: float, cfg: DrillConfig, timing: Timing, limit_s: float) -> None:
+    try:
+        start.killed_after_s = _drive(child, start.plan, share, cfg, timing, limit_s)
+    finally:
+        child.kill()
+        start.exit_code = child.reap()
+    if start.exit_code == 0:
+        start.killed_after_s = None  # it finished just before the kill was due
+
+
+def _after_kill(start: Start, child: _Child, store: LocalStore, leftovers: set[str], report: DrillReport) -> str | None:
+    """Record where the kill landed, check what is visible, and predict what the next start restores."""
+    start.landed, start.during_save = _landed(child.lines, store, leftovers)
+    report.problems += check_visible(store)
+    report.verified_after_kills += len(store.generations())
+    return expected_restore(store)
+
+
+def _drive(child: _Child, plan: KillPlan | None, share: float, cfg: DrillConfig, timing: Timing,
+           limit_s: float) -> float | None:
+    """Let the worker go and SIGKILL it when ``plan`` says; the kill time after go, or None if it exited."""
+    went = child.go()
+    deadline = went + limit_s
+    kill_at = went + plan.fraction * RESTORE_WINDOW_S if plan and plan.mode == "restore" else None
+    target: tuple[str, int, float] | None = None  # (line, how many, unit of delay)
+    seen = 0
+    while True:
+        line = child.next_line(min(deadline, kill_at) if kill_at is not None else deadline)
+        now = time.monotonic()
+        if line is _TIMEOUT:
+            if kill_at is None or now < kill_at - 1e-4:
+                raise DrillError(f"worker start did not finish within {limit_s:.0f} s: {child.tail()}")
+            child.kill()
+            return now - went
+        if line is None:
+            return None
+        word, _, rest = line.partition(" ")
+        if plan is None or kill_at is not None:
+            continue
+        if word == "training":
+            saves, updates = _saves_left(cfg, int(rest)), cfg.total - int(rest)
+            if plan.mode == "time" and updates:
+                target = ("step", int(plan.fraction * math.ceil(share * updates)), timing.per_update_s)
+            elif plan.mode == "save" and saves:
+                target = ("saving", 1 + int(plan.fraction * math.ceil(share * saves)), timing.save_s)
+        elif target is not None and word == target[0]:
+            seen += 1
+        if target is not None and seen == target[1]:
+            kill_at = now + plan.delay * target[2]
+
+
+def _saves_left(cfg: DrillConfig, next_update: int) -> int:
+    periodic = cfg.total // cfg.every - next_update // cfg.every
+    return periodic + (cfg.total % cfg.every != 0 and next_update < cfg.total)
+
+
+def _check_restore(start: Start, child: _Child, expected: str | None, pointer: str | None) -> list[str]:
+    """The start must have restored exactly the generation predicted after the previous kill.
+
+    It may pass over the pointer only when there was none (a kill between the
+    first commit and the first pointer write), and over no generation at all.
+    """
+    for line in child.lines:
+        word, _, rest = line.partition(" ")
+        if word == "fresh":
+            return [] if expected is None else [f"start {start.index} started fresh; expected {expected}"]
+        if word == "restored":
+            name, *fields = rest.split()
+            start.restored = name
+            fields = dict(f.split("=", 1) for f in fields)
+            problems = [] if name == expected else [f"start {start.index} restored {name}; expected {expected}"]
+            if fields.get("rejected") != ("-" if pointer else POINTER if expected else "-"):
+                problems.append(f"start {start.index} rejected {fields.get('rejected')} (pointer was {pointer})")
+            if fields.get("identical") != "1":
+                problems.append(f"start {start.index}: restore reports no identical continuation")
+            return problems
+    if start.killed_after_s is None:
+        return [f"start {start.index} never reported its restore: {child.tail()}"]
+    return []  # killed before restore finished
+
+
+def _landed(lines: list[str], store: LocalStore, leftovers_before: set[str]) -> tuple[str, bool]:
+    """Where the kill landed, from the worker's last lines and what the save left on disk."""
+    if not any(line.startswith("training ") for line in lines):
+        return "during start-up or restore", False
+    saving = [int(line.split()[1]) for line in lines if line.startswith("saving ")]
+    saved = {int(line.split()[1]) for line in lines if line.startswith("saved ")}
+    if not saving or saving[-1] in saved:
+        return "during training", False
+    gen = generation_name(saving[-1])
+    new = set(store.leftovers()) - leftovers_before
+    latest = _pointer_name(store)
+    if latest == gen:
+        phase = "pruning" if any("-trash-" in n for n in new) else "published, not yet returned"
+    elif gen in store.generations():
+        phase = "committed, verifying; pointer not yet moved"
+    elif any(n.startswith(f".trainstate-staging-{gen}-") for n in new):
+        phase = "writing staged files"
+    else:
+        phase = "capturing, before staging"
+    return f"in the save of update {saving[-1]} ({phase})", True
+
+
+def _pointer_name(store: LocalStore) -> str | None:
+    data = store.read_pointer(POINTER)
+    try:
+        return None if data is None else parse_pointer(data, POINTER).generation
+    except TrainStateError:
+        return None
+
+
+def check_visible(store: LocalStore) -> list[str]:
+    """Every visible generation verifies in full and the pointer names one of them: nothing partial shows."""
+    problems = []
+    for name in store.generations():
+        try:
+            verify_generation(store, name)
+        except (TrainStateError, OSError) as exc:
+            problems.append(f"partial or corrupt generation visible: {exc}")
+    data = store.read_pointer(POINTER)
+    if data is not None:
+        try:
+            pointer = parse_pointer(data, POINTER)
+            verify_generation(store, pointer.generation, pointer, content=False)
+        except (TrainStateError, OSError) as exc:
+            problems.append(f"the {POINTER} pointer does not name a valid generation: {exc}")
+    return problems
+
+
+def expected_restore(store: LocalStore) -> str | None:
+    """The pointer's generation; without a pointer (killed between the first commit and pointer), the newest."""
+    full = [n for n in store.generations() if parse_generation_name(n)[1] == "full"]
+    return _pointer_name(store) or (full[0] if full else None)
+
+
+def _describe_start(start: Start) -> str:
+    restored = start.restored or ("nothing (fresh start)" if start.index == 1 else "nothing")
+    if start.killed_after_s is None:
+        return f"  start {start.index}: restored {restored}, ran to the end (exit {start.exit_code})"
+    return (f"  start {start.index}: restored {restored}, SIGKILL {start.killed_after_s:.3f} s after go "
+            f"[{start.plan.mode}] {start.landed}")
+
