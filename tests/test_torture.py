@@ -27,3 +27,29 @@ def test_torture_catches_an_acknowledgement_before_durability(tmp_path):
 
     with pytest.raises(AssertionError, match="had been acknowledged"):
         torture(tmp_path / "run", 60, seed=3, numel=100_000, ack_early=True)
+
+
+def test_hashing_works_in_a_child_forked_after_hashing(tmp_path):
+    """A process that forks after trainstate hashed a large file must be able to hash in the child."""
+    import os
+    import signal
+    import time
+
+    from trainstate.digest import digest_bytes
+
+    data = os.urandom(8 << 20)
+    digest_bytes("blake3", data)  # the parent hashes a large input first
+    pid = os.fork()
+    if pid == 0:
+        digest_bytes("blake3", data)
+        os._exit(0)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("hashing in a forked child hung")

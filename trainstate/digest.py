@@ -19,7 +19,11 @@ class Hasher(Protocol):
 
 
 def _blake3() -> Hasher:
-    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    # Single-threaded on purpose: blake3's multithreaded mode starts a global thread
+    # pool, and a process that forks after that (DataLoader workers, our own drill)
+    # gets a child whose hashing waits forever on threads that were not copied.
+    # Hashing already runs on its own thread beside the write or the read.
+    return blake3.blake3()
 
 
 _ALGORITHMS = {"blake3": _blake3, "sha256": hashlib.sha256}
