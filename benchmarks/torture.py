@@ -105,12 +105,12 @@ def _check(directory: Path, numel: int, acked: int) -> tuple[int, str | None]:
     return got, None
 
 
-def torture(directory: Path, kills: int, seed: int, numel: int, max_delay: float = 1.5,
-            ack_early: bool = False) -> dict:
+def torture(directory: Path, kills: int, seed: int, numel: int, ack_early: bool = False) -> dict:
     """Run ``kills`` kill/restart cycles; return counts, or raise AssertionError on a violation."""
     rng = random.Random(seed)
     torch.set_num_threads(1)  # no intra-op threads alive across fork
     acked = restored_max = 0
+    max_delay = 1.0
     mid_save = 0
     start = time.perf_counter()
     for cycle in range(kills):
@@ -121,7 +121,11 @@ def torture(directory: Path, kills: int, seed: int, numel: int, max_delay: float
             os.close(read_fd)
             _child(directory, numel, write_fd, ack_early)
         os.close(write_fd)
-        deadline = time.perf_counter() + rng.uniform(0.0, max_delay)
+        began = time.perf_counter()
+        # The first child runs until its first acknowledgement: that start-to-ack time
+        # scales the kill window to this machine, so kills land before, inside and after saves.
+        delay = 60.0 if cycle == 0 else rng.uniform(0.0, max_delay)
+        deadline = began + delay
         buffer = b""
         while (left := deadline - time.perf_counter()) > 0:
             ready, _, _ = select.select([read_fd], [], [], left)
@@ -130,6 +134,9 @@ def torture(directory: Path, kills: int, seed: int, numel: int, max_delay: float
                 if not chunk:
                     break
                 buffer += chunk
+                if cycle == 0 and b"\n" in buffer:
+                    max_delay = max(3 * (time.perf_counter() - began), 0.05)
+                    break
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         while chunk := os.read(read_fd, 4096):  # acks written just before the kill
@@ -145,7 +152,7 @@ def torture(directory: Path, kills: int, seed: int, numel: int, max_delay: float
         restored_max = max(restored_max, got)
     return {"kills": kills, "seed": seed, "acknowledged_saves": acked, "restored_at_end": restored_max,
             "kills_inside_a_save": mid_save, "seconds": round(time.perf_counter() - start, 1),
-            "state_bytes": numel * 4}
+            "state_bytes": numel * 4, "kill_window_s": round(max_delay, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
