@@ -175,10 +175,11 @@ def _decode_tag(tag: str, inner: Any, path: str, tensors: Mapping[str, torch.Ten
                 out[key] = decode(value, child_path(path, key), tensors)
             return out
         if tag == "$dtype":
-            dtype = getattr(torch, inner)
-            if not isinstance(dtype, torch.dtype):
+            from .tensorfile import DTYPES  # a fixed table: no getattr(torch, name) on file input
+
+            if type(inner) is not str or inner not in DTYPES:
                 raise ValueError(inner)
-            return dtype
+            return DTYPES[inner]
         if tag == "$device":
             return torch.device(inner)
         if tag == "$bytes":

@@ -94,8 +94,8 @@ def _diff(path: str, old: Any, new: Any, out: list[FieldChange]) -> None:
 
 
 def _diff_architecture(path: str, old: list, new: list, out: list[FieldChange]) -> None:
-    old_map = {e[0]: e[1:] for e in old if type(e) is list and e}
-    new_map = {e[0]: e[1:] for e in new if type(e) is list and e}
+    old_map = {e[0]: e[1:] for e in old if type(e) is list and e and type(e[0]) is str}
+    new_map = {e[0]: e[1:] for e in new if type(e) is list and e and type(e[0]) is str}
     before = len(out)
     for key in list(old_map) + [k for k in new_map if k not in old_map]:
         if old_map.get(key) != new_map.get(key):

@@ -102,12 +102,19 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     """
     rng_saved = payload.get("rng", {})
     rng_mod.validate(rng_saved, state.rngs, statistical_cuda=statistical_cuda)  # before anything is loaded
+    _check_grads(state, payload)
     for name, component in state.components.items():
         saved = payload["components"][name]["state"]
-        if isinstance(component, torch.nn.Module):
-            component.load_state_dict(saved, strict=True)
-        else:
-            component.load_state_dict(saved)
+        try:
+            if isinstance(component, torch.nn.Module):
+                component.load_state_dict(saved, strict=True)
+            else:
+                component.load_state_dict(saved)
+        except (ValueError, KeyError, RuntimeError, TypeError, IndexError, AttributeError) as exc:
+            raise StateMismatch(
+                f"component {name!r} rejected the saved state ({type(exc).__name__}: {exc!s:.300}). Components "
+                "loaded before it now hold checkpoint values: rebuild the live objects before trying another "
+                "generation") from exc
     _restore_grads(state, payload)
     clocks = payload["clocks"]
     state.next_update = clocks["next_update"]
@@ -116,6 +123,19 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     state.facts = payload["facts"]
     state.history = list(payload["history"])
     return rng_mod.restore(rng_saved, state.rngs, statistical_cuda=statistical_cuda)
+
+
+def _check_grads(state: TrainState, payload: dict[str, Any]) -> None:
+    """Saved gradients must name live parameters and match their shape and dtype."""
+    modules = state.modules()
+    for name, grads in payload.get("grads", {}).items():
+        if name not in modules:
+            raise StateMismatch(f"saved gradients for {name!r}, which is not a module of this TrainState")
+        params = dict(modules[name].named_parameters())
+        for pname, grad in grads.items():
+            param = params.get(pname)
+            if param is None or grad.shape != param.shape or grad.dtype != param.dtype:
+                raise StateMismatch(f"saved gradient {name}.{pname} does not fit the live parameter")
 
 
 def _restore_grads(state: TrainState, payload: dict[str, Any]) -> None:

@@ -46,9 +46,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Looked up in a fixed table, never with getattr(torch, name): torch's module __getattr__
+# lazily imports submodules (torch._inductor, ...) for unknown names, and a name read
+# from a file must not trigger imports.
+DTYPES: dict[str, torch.dtype] = {
+    dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
 def torch_dtype(name: str, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
+    dtype = DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
         raise CorruptGeneration(where, f"unknown dtype {name!r:.60}")
     return dtype
 
@@ -181,6 +188,8 @@ def _entry(name: str, spec: object, raw: dict, where: str) -> Entry:
     if not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
         raise CorruptGeneration(here, "shape and data_offsets must be lists of non-negative integers")
     begin, end = offsets
+    if math.prod(max(d, 1) for d in shape) >= 2**62:  # torch cannot even compute strides for it
+        raise CorruptGeneration(here, f"shape {shape!r:.80} is too large")
     if math.prod(shape) * dtype.itemsize != end - begin:
         raise CorruptGeneration(here, f"shape {shape} of {spec['dtype']} does not fill {end - begin} bytes")
     if name in raw:
@@ -189,6 +198,8 @@ def _entry(name: str, spec: object, raw: dict, where: str) -> Entry:
             raise CorruptGeneration(here, "malformed raw-dtype record")
         dtype = torch_dtype(real[0], here)
         shape = real[1]
+        if math.prod(max(d, 1) for d in shape) >= 2**62:
+            raise CorruptGeneration(here, f"shape {shape!r:.80} is too large")
         if dtype.itemsize * math.prod(shape) != end - begin:
             raise CorruptGeneration(here, f"raw dtype {real[0]} with shape {shape} does not fill {end - begin} bytes")
     return Entry(name, dtype, tuple(shape), begin, end)

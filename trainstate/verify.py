@@ -224,12 +224,41 @@ def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-verify") as pool:
             for name in tensor_files(manifest):
                 _read_tensor_file(store, manifest, name, wanted, tensors, pool)
-        return Verified(manifest, verified.manifest_digest, verified.manifest_size, True), \
-            decode(state, component or "", tensors)
+        payload = decode(state, component or "", tensors)
+        if component is None:
+            check_decoded(payload, where_state)
+        return Verified(manifest, verified.manifest_digest, verified.manifest_size, True), payload
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
         raise CorruptGeneration(generation, f"unreadable ({exc.strerror})") from None
+
+
+def check_decoded(payload: dict[str, Any], where: str) -> None:
+    """The sections restore relies on have the right types after tags are decoded.
+
+    ``check_state_schema`` sees raw JSON, where ``{"$int": 5}`` is a dict; this
+    sees what decoding made of it.
+    """
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CorruptGeneration(where, f"malformed {what} after decoding")
+
+    def str_dict(value: Any) -> bool:
+        return type(value) is dict and all(type(k) is str for k in value)
+
+    need(str_dict(payload["counters"]) and all(type(v) is int for v in payload["counters"].values()), "counters")
+    need(str_dict(payload["components"]) and all(
+        type(c) is dict and set(c) == {"type", "state"} and type(c["type"]) is str
+        for c in payload["components"].values()), "components")
+    contract = payload["contract"]
+    need(str_dict(contract) and str_dict(contract.get("fields")) and str_dict(contract.get("versions")), "contract")
+    need(type(payload["history"]) is list, "history")
+    if "rng" in payload:
+        need(str_dict(payload["rng"]) and str_dict(payload["rng"].get("named", {})), "RNG record")
+    grads = payload.get("grads", {})
+    need(str_dict(grads) and all(str_dict(g) and all(isinstance(t, torch.Tensor) for t in g.values())
+                                 for g in grads.values()), "gradients")
 
 
 def _read_verified_state(store: Store, manifest: Manifest) -> dict[str, Any]:
