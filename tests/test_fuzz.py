@@ -110,7 +110,6 @@ def fuzz_settings(examples: int):
 
 
 # --- known library bugs ------------------------------------------------------------------------
-# id -> (exception types, trainstate file, function, a fragment of the raising line or None, why)
 # Signatures of library bugs a property may tolerate (and count) while a fix is pending:
 # {id: (exception types, file, functions, line fragment, description)}. The five this
 # file found (decoded sections unchecked, unhashable architecture entries, component
@@ -128,8 +127,6 @@ def known_bug(exc: BaseException) -> str | None:
     for bug, (types, file, functions, fragment, _) in KNOWN_BUGS.items():
         if (isinstance(exc, types) and (file is None or last.filename.endswith(os.sep + file))
                 and last.name in functions and (fragment is None or fragment in (last.line or ""))):
-            if bug == "decoded-sections-unchecked" and "load_state_dict" in (last.line or ""):
-                continue
             return bug
     return None
 
@@ -618,7 +615,6 @@ def _restore_edited_state(pristine: dict, edit) -> None:
             except ts.TrainStateError:
                 return
         assert info.generation.name != G3 or info.rejected, "an edited generation restored silently"
-
 
 
 @pytest.mark.parametrize("edit", [
