@@ -110,6 +110,9 @@ def reseal(run: Path, generation: str) -> None:
     for record in manifest["files"]:
         data = (gen / record["name"]).read_bytes()
         record.update(size=len(data), digest=blake3.blake3(data).hexdigest())
+    # the self-digest too, so the edit reaches the layers behind the manifest
+    body = {k: v for k, v in manifest.items() if k not in ("self_digest", "signature")}
+    manifest["self_digest"] = blake3.blake3(json.dumps(body, indent=1, sort_keys=True).encode()).hexdigest()
     data = json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n"
     (gen / MANIFEST).write_bytes(data)
     seal_pointer(run, generation)
