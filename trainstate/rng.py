@@ -70,15 +70,20 @@ def restore(saved: Mapping[str, Any], named: Mapping[str, Generator], *, statist
     missing, of another kind, malformed, or the CUDA device count differs.
     """
     warnings = validate(saved, named, statistical_cuda=statistical_cuda)
+    apply_validated(saved, named, restore_cuda=not warnings)
+    return warnings
+
+
+def apply_validated(saved: Mapping[str, Any], named: Mapping[str, Generator], *, restore_cuda: bool) -> None:
+    """Set every generator from a record that :func:`validate` already accepted."""
     for name, rng in named.items():
         _restore_one(rng, saved["named"][name])
     if "python" in saved:
         random.setstate(saved["python"])
         np.random.set_state(saved["numpy_global"])
         torch.set_rng_state(saved["torch_cpu"])
-        if saved["torch_cuda"] and not warnings:
+        if saved["torch_cuda"] and restore_cuda:
             torch.cuda.set_rng_state_all(saved["torch_cuda"])
-    return warnings
 
 
 def _check_cuda(saved: Mapping[str, Any], statistical_cuda: bool) -> list[str]:

@@ -101,7 +101,7 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     clocks, and RNG last.
     """
     rng_saved = payload.get("rng", {})
-    rng_mod.validate(rng_saved, state.rngs, statistical_cuda=statistical_cuda)  # before anything is loaded
+    warnings = rng_mod.validate(rng_saved, state.rngs, statistical_cuda=statistical_cuda)  # before anything loads
     _check_grads(state, payload)
     for name, component in state.components.items():
         saved = payload["components"][name]["state"]
@@ -122,7 +122,8 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     state.counters = dict(payload["counters"])
     state.facts = payload["facts"]
     state.history = list(payload["history"])
-    return rng_mod.restore(rng_saved, state.rngs, statistical_cuda=statistical_cuda)
+    rng_mod.apply_validated(rng_saved, state.rngs, restore_cuda=not warnings)
+    return warnings
 
 
 def _check_grads(state: TrainState, payload: dict[str, Any]) -> None:

@@ -27,12 +27,12 @@ from .storage import Store
 
 @dataclass(frozen=True)
 class Verified:
-    """A generation whose manifest (and, when ``content`` is true, every file) checked out."""
+    """A generation whose manifest, file set and sizes checked out (and, where the
+    caller asked for it, every file's digest)."""
 
     manifest: Manifest
     manifest_digest: str
     manifest_size: int
-    content: bool
 
 
 def _read_limited(store: Store, generation: str, file: str, limit: int) -> bytes:
@@ -105,7 +105,7 @@ def verify_generation(store: Store, generation: str, pointer: Pointer | None = N
                 raise CorruptGeneration(where, f"unreadable ({exc.strerror})") from None
             if got_size != record.size or got != record.digest:
                 raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
-    return Verified(manifest, digest, size, content)
+    return Verified(manifest, digest, size)
 
 
 def read_state_json(store: Store, manifest: Manifest) -> dict[str, Any]:
@@ -227,7 +227,7 @@ def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
         payload = decode(state, component or "", tensors)
         if component is None:
             check_decoded(payload, where_state)
-        return Verified(manifest, verified.manifest_digest, verified.manifest_size, True), payload
+        return verified, payload
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
@@ -314,8 +314,3 @@ def referenced_tensors(skeleton: Any) -> list[str]:
                 continue
             stack.extend(node.values())
     return out
-
-
-def load_payload(store: Store, manifest: Manifest) -> dict[str, Any]:
-    """The decoded payload of a generation (verified again while it is read)."""
-    return load_verified(store, manifest.generation)[1]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from ..localfs import LocalStore
 from ..manifest import POINTER, parse_pointer
-from ..verify import load_payload, verify_generation
+from ..verify import load_verified
 from .worker import DRAWS_FILE, DrillConfig, DrillError, build_model
 
 
@@ -42,9 +42,9 @@ def _final(directory: Path) -> _Final:
     if data is None:
         raise DrillError(f"{directory} has no {POINTER} pointer: the run did not finish")
     pointer = parse_pointer(data, POINTER)
-    manifest = verify_generation(store, pointer.generation, pointer).manifest
+    verified, payload = load_verified(store, pointer.generation, pointer)  # one verified read
     draws = json.loads((directory / DRAWS_FILE).read_text())
-    return _Final({f.name: (f.size, f.digest) for f in manifest.files}, load_payload(store, manifest), draws)
+    return _Final({f.name: (f.size, f.digest) for f in verified.manifest.files}, payload, draws)
 
 
 def compare_runs(cfg: DrillConfig, reference: Path, candidate: Path) -> Comparison:
