@@ -20,18 +20,24 @@ exactly as if it had never stopped::
 __version__ = "0.1.0"
 
 from .contract import fingerprint
-from .errors import (ContractMismatch, CorruptGeneration, DirectoryLocked, FieldChange, GenerationExists,
-                     NoValidGeneration, PendingGradients, Rejection, StateMismatch, TopologyMismatch,
-                     TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
+from .datafiles import data_manifest
+from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
+                     FieldChange, GenerationExists, NoValidGeneration, PendingGradients, Rejection, StateMismatch,
+                     TopologyMismatch, TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
+from .evaluation import evaluating
+from .loader import ResumableLoader
 from .manager import CheckpointManager, GenerationInfo, RestoreInfo
 from .signing import SigningKey
+from .samplerng import SampleIndex, sample_generator
 from .state import TrainState
 from .warmstart import warm_start
 
 __all__ = [
     "CheckpointManager",
+    "ContinuationWarning",
     "ContractMismatch",
     "CorruptGeneration",
+    "DataMismatch",
     "DirectoryLocked",
     "FieldChange",
     "GenerationExists",
@@ -40,6 +46,8 @@ __all__ = [
     "PendingGradients",
     "Rejection",
     "RestoreInfo",
+    "ResumableLoader",
+    "SampleIndex",
     "SigningKey",
     "StateMismatch",
     "TopologyMismatch",
@@ -48,6 +56,9 @@ __all__ = [
     "UnsupportedValue",
     "WeightsOnlyGeneration",
     "__version__",
+    "data_manifest",
+    "evaluating",
     "fingerprint",
+    "sample_generator",
     "warm_start",
 ]

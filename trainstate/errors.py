@@ -10,6 +10,7 @@ describes the same situation, the subclass inherits it too, so existing
     ├── PendingGradients                 save requested mid-accumulation
     ├── TopologyMismatch                 CUDA device count changed (RNG streams)
     ├── StateMismatch                    checkpoint and live objects disagree in structure
+    ├── DataMismatch(ValueError)         the data pipeline no longer yields the saved position
     ├── WeightsOnlyGeneration            a weights-only generation used as a resume
     ├── CorruptGeneration(ValueError)    a file failed parsing, size or digest checks
     ├── NoValidGeneration(FileNotFoundError)
@@ -87,6 +88,14 @@ class TopologyMismatch(TrainStateError):
 
 class StateMismatch(TrainStateError):
     """The checkpoint's structure does not fit the live objects (names, shapes, kinds)."""
+
+
+class DataMismatch(TrainStateError, ValueError):
+    """The data pipeline after restore does not produce the batches the checkpoint expects."""
+
+
+class ContinuationWarning(UserWarning):
+    """Some randomness continues only statistically, not bitwise, after a restore."""
 
 
 class WeightsOnlyGeneration(TrainStateError):

@@ -129,12 +129,13 @@ class CheckpointManager:
                 "A checkpoint here would lose them. Save after optimizer.step() (and zero_grad), or pass "
                 "include_grads=True to save the gradients too, with your microbatch cursor in state.counters.")
         skeleton, tensors = snapshot.capture(state, kind=kind, include_grads=include_grads)
+        positions = {n: c.data_position() for n, c in state.data_positions().items()} if kind == "full" else {}
         name = generation_name(state.next_update, kind)
         self.store.lock()
         self._make_room_for(name)
         for leftover in self.store.clean_leftovers():
             log.info("removed leftover %s from an interrupted save", leftover)
-        manifest_bytes = self._stage_and_commit(name, state, skeleton, tensors)
+        manifest_bytes = self._stage_and_commit(name, state, skeleton, tensors, positions)
         try:
             verified = verify_generation(self.store, name, content=self.verify_mode == "full", key=self.key)
             if verified.manifest.to_bytes(self.key) != manifest_bytes:
@@ -183,7 +184,8 @@ class CheckpointManager:
         except CorruptGeneration:
             return None
 
-    def _stage_and_commit(self, name: str, state: TrainState, skeleton: dict, tensors: dict) -> bytes:
+    def _stage_and_commit(self, name: str, state: TrainState, skeleton: dict, tensors: dict,
+                          positions: dict[str, dict]) -> bytes:
         staging = self.store.begin(name)
         try:
             layout = tensorfile.plan(tensors)
@@ -194,7 +196,7 @@ class CheckpointManager:
                 digest_algorithm=self.store.digest_algorithm, files=tuple(files),
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
                 contract_fingerprint=contract_mod.digest(skeleton["contract"]["fields"]),
-                versions=skeleton["contract"]["versions"], parent=state.parent)
+                versions=skeleton["contract"]["versions"], parent=state.parent, data=positions)
             manifest_bytes = manifest.to_bytes(self.key)
             staging.write(MANIFEST, [manifest_bytes])
             staging.commit()
@@ -252,6 +254,9 @@ class CheckpointManager:
                                   "changes": [{"field": c.field, "old": c.old, "new": c.new} for c in accepted]})
         for message in warnings:
             log.warning("%s", message)
+        for component in state.components.values():  # already warned by the component itself
+            report = getattr(component, "restore_warnings", None)
+            warnings += list(report()) if callable(report) else []
         state.parent = name
         return RestoreInfo(GenerationInfo.from_verified(self.store, verified), rejected, tuple(accepted),
                            tuple(warnings))

@@ -71,10 +71,13 @@ class Manifest:
     versions: dict = field(default_factory=dict)
     parent: str | None = None
     format_version: int = FORMAT_VERSION
+    data: dict = field(default_factory=dict)  # data positions by component name; omitted when empty
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
         data["files"] = [asdict(f) for f in self.files]
+        if not data["data"]:
+            del data["data"]
         data["self_digest"] = _self_digest(data, self.digest_algorithm)
         if key is not None:
             data["signature"] = key.sign(data)
@@ -164,8 +167,9 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         "format": str, "format_version": int, "generation": str, "kind": str, "next_update": int,
         "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
         "versions": dict, "parent": (str, type(None)), "self_digest": str,
-    }, {"signature": str})
+    }, {"signature": str, "data": dict})
     _check_common(where, raw, "trainstate")
+    _check_data(where, raw.get("data", {}))
     if raw["self_digest"] != _self_digest(raw, raw["digest_algorithm"]):
         raise CorruptGeneration(where, "content does not match its self-digest (the manifest was altered)")
     if key is not None:
@@ -187,6 +191,22 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
     del raw["format"], raw["self_digest"]
     raw.pop("signature", None)
     return Manifest(**{**raw, "files": tuple(files)})
+
+
+_DATA_FIELDS = {"epoch": int, "cursor": int, "batches_per_epoch": int, "samples_seen": int, "tokens_seen": int,
+                "next_batch": str}
+
+
+def _check_data(where: str, data: dict) -> None:
+    """Data positions: ``{component: {epoch, cursor, batches_per_epoch, samples_seen, tokens_seen, next_batch}}``."""
+    for name, position in data.items():
+        if not _FILE_RE.fullmatch(name) or type(position) is not dict:
+            raise CorruptGeneration(where, f"invalid data position {name!r:.60}")
+        _check(where, position, _DATA_FIELDS)
+        if any(position[k] < 0 for k in _DATA_FIELDS if _DATA_FIELDS[k] is int):
+            raise CorruptGeneration(where, f"negative count in data position {name!r:.60}")
+        if not _HEX_RE.fullmatch(position["next_batch"]):
+            raise CorruptGeneration(where, f"malformed next-batch fingerprint in {name!r:.60}")
 
 
 def parse_pointer(data: bytes, where: str, key: SigningKey | None = None) -> Pointer:

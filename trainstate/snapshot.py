@@ -104,6 +104,10 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     warnings = rng_mod.validate(rng_saved, state.rngs, statistical_cuda=statistical_cuda)  # before anything loads
     _check_grads(state, payload)
     for name, component in state.components.items():
+        check = getattr(component, "check_state_dict", None)  # optional: refuse before anything loads
+        if callable(check):
+            check(payload["components"][name]["state"])
+    for name, component in state.components.items():
         saved = payload["components"][name]["state"]
         try:
             if isinstance(component, torch.nn.Module):

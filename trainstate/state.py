@@ -74,8 +74,16 @@ class TrainState:
         """True when a backward pass accumulated gradients that no optimizer step has consumed."""
         return self._grads.pending
 
+    def data_positions(self) -> dict[str, Any]:
+        """Components that keep a data position (``data_position()``), by name."""
+        return {n: c for n, c in self.components.items() if callable(getattr(c, "data_position", None))}
+
     def contract_fields(self) -> dict[str, Any]:
-        return contract_mod.build(self.contract, self.modules())
+        fields = contract_mod.build(self.contract, self.modules())
+        for name, component in self.components.items():
+            if callable(getattr(component, "data_contract", None)):
+                fields[f"loader.{name}"] = contract_mod.canonical(component.data_contract(), f"loader.{name}")
+        return fields
 
     def __repr__(self) -> str:
         return (f"TrainState(next_update={self.next_update}, tokens_seen={self.tokens_seen}, "

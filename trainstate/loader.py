@@ -1,0 +1,335 @@
+"""ResumableLoader: a DataLoader whose position is part of the restart state.
+
+The position is ``(epoch, cursor)``: the epoch and the number of its batches
+the training loop has *received*. It is counted where batches leave the
+iterator, not where the sampler produced them, so batches that workers have
+prefetched but the loop has not taken are neither skipped nor repeated on
+resume. The batches of an epoch come from :mod:`trainstate.order` (a function
+of the seed and the epoch), so a resumed run rebuilds the same plan and
+starts the sampler at the cursor.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .errors import ContinuationWarning, DataMismatch
+from .order import Plan, derive, ids_digest
+from .samplerng import SampleIndex
+
+log = logging.getLogger("trainstate")
+
+_FORBIDDEN = {
+    "sampler": "the loader builds its own sampler from seed, epoch and rank",
+    "batch_sampler": "the loader builds its own batch sampler from seed, epoch and rank",
+    "shuffle": None,  # handled: our own keyword
+    "generator": "worker seeds are derived from (seed, epoch) so that they do not consume the training RNG",
+}
+_POSITION_KEYS = ("epoch", "cursor", "samples_seen", "tokens_seen")
+
+
+class _EpochBatches(torch.utils.data.Sampler):
+    """The batch sampler handed to DataLoader: this epoch's batches, from the cursor on.
+
+    It stays in the main process; each ``iter()`` (also a persistent-workers
+    reset) reads the epoch and start that the loader prepared.
+    """
+
+    def __init__(self) -> None:
+        self.epoch, self.seed, self.batches, self.start = 0, 0, [], 0
+
+    def prepare(self, epoch: int, seed: int, batches: list[np.ndarray], start: int) -> None:
+        self.epoch, self.seed, self.batches, self.start = epoch, seed, batches, start
+
+    def __iter__(self) -> Iterator[list[SampleIndex]]:
+        epoch, seed = self.epoch, self.seed
+        for ids in self.batches[self.start:]:
+            yield [SampleIndex(i, epoch, seed) for i in ids.tolist()]
+
+    def __len__(self) -> int:
+        return len(self.batches) - self.start
+
+
+def _global_rng_marks() -> tuple:
+    return random.getstate(), np.random.get_state()[1:], torch.get_rng_state()
+
+
+def _same_marks(a: tuple, b: tuple) -> bool:
+    return (a[0] == b[0] and a[1][1:] == b[1][1:] and np.array_equal(a[1][0], b[1][0])
+            and torch.equal(a[2], b[2]))
+
+
+class _WatchGlobalDraws(Dataset):
+    """Wraps the dataset in worker processes to notice draws from the worker's global RNG.
+
+    Such draws continue only statistically after a mid-epoch resume. The flag
+    is shared memory; once raised, the check stops costing anything.
+    """
+
+    def __init__(self, dataset: Any, flag: Any):
+        self.dataset, self.flag = dataset, flag
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        if self.flag.value:
+            return self.dataset[index]
+        before = _global_rng_marks()
+        item = self.dataset[index]
+        if not _same_marks(before, _global_rng_marks()):
+            self.flag.value = 1
+        return item
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        batched = getattr(self.dataset, "__getitems__", None)
+        if batched is None:
+            return [self[i] for i in indices]
+        if self.flag.value:
+            return batched(indices)
+        before = _global_rng_marks()
+        items = batched(indices)
+        if not _same_marks(before, _global_rng_marks()):
+            self.flag.value = 1
+        return items
+
+
+def _distributed_default(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return (torch.distributed.get_rank() if rank is None else rank,
+                torch.distributed.get_world_size() if world_size is None else world_size)
+    return (0 if rank is None else rank), (1 if world_size is None else world_size)
+
+
+class ResumableLoader:
+    """A ``torch.utils.data.DataLoader`` that resumes mid-epoch, bitwise.
+
+    Register it in the :class:`~trainstate.TrainState` like any component::
+
+        loader = ts.ResumableLoader(dataset, batch_size=32, seed=1234, shuffle=True,
+                                    num_workers=2, persistent_workers=True)
+        state = ts.TrainState(model=model, optimizer=opt, data=loader)
+        ckpt.restore(state)
+        while state.next_update < total_updates:
+            for batch in loader:          # the rest of the current epoch
+                ...
+                state.next_update += 1
+
+    Iterating yields the rest of the current epoch from the cursor; the epoch
+    advances when its last batch is handed out. The order of each epoch is a
+    function of ``(seed, epoch)``; ``rank``/``world_size`` (default: from
+    ``torch.distributed`` when initialised) shard it like
+    ``DistributedSampler``, with ``uneven="pad"`` (repeat the first indices so
+    every rank gets as many) or ``"drop"`` (drop the tail). ``drop_last`` drops
+    an incomplete last batch. Other keyword arguments go to ``DataLoader``
+    (``num_workers``, ``prefetch_factor``, ``persistent_workers``,
+    ``collate_fn``, ``pin_memory``, ``worker_init_fn``, ...).
+
+    ``__getitem__`` receives a :class:`~trainstate.SampleIndex`; pass it to
+    :func:`~trainstate.sample_generator` for augmentation that is identical
+    after a resume. ``count_tokens(batch) -> int`` keeps a token clock counted
+    at consumption. ``on_mismatch`` (``"error"`` or ``"warn"``) says what
+    happens when the first batch after a restore is not the one the checkpoint
+    recorded.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int = 1, *, seed: int, shuffle: bool = True,
+                 drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
+                 uneven: str = "pad", count_tokens: Callable[[Any], int] | None = None,
+                 on_mismatch: str = "error", **loader_kwargs: Any):
+        for key, why in _FORBIDDEN.items():
+            if key in loader_kwargs:
+                raise TypeError(f"ResumableLoader does not take {key}=: {why or 'pass it as a keyword of its own'}")
+        if loader_kwargs.get("in_order") is False:
+            raise ValueError("in_order=False hands out batches in completion order, so the position counted at "
+                             "consumption would not say which samples were used; leave in_order at True")
+        if on_mismatch not in ("error", "warn"):
+            raise ValueError(f"on_mismatch must be 'error' or 'warn', got {on_mismatch!r}")
+        try:
+            length = len(dataset)
+        except TypeError:
+            raise TypeError(f"the dataset ({type(dataset).__qualname__}) has no __len__; ResumableLoader needs a "
+                            "map-style dataset (for an IterableDataset, keep the position in the dataset itself)"
+                            ) from None
+        rank, world_size = _distributed_default(rank, world_size)
+        self.plan = Plan(length, batch_size, seed, bool(shuffle), bool(drop_last), rank, world_size, uneven)
+        if self.plan.batches_per_epoch() == 0:
+            raise ValueError(f"an epoch of {length} samples over {world_size} rank(s) gives no batch of "
+                             f"{batch_size} (drop_last={drop_last}); use a smaller batch_size")
+        self.count_tokens = count_tokens
+        self.on_mismatch = on_mismatch
+        self.epoch = 0
+        self.cursor = 0
+        self.samples_seen = 0
+        self.tokens_seen = 0
+        self.last_ids: np.ndarray | None = None  # sample ids of the batch last handed out
+        self._global_draws_seen = False
+        self._expected: dict[str, Any] | None = None  # next batch recorded by the restored generation
+        self._resumed_mid_stream = False
+        self._warning: str | None = None
+        self._active: object | None = None
+        self._cache: tuple[int, list[np.ndarray]] | None = None
+        self._sampler = _EpochBatches()
+        workers = loader_kwargs.get("num_workers", 0)
+        self._flag = None
+        if workers:
+            context = loader_kwargs.get("multiprocessing_context")
+            ctx = multiprocessing.get_context(context) if isinstance(context, (str, type(None))) else context
+            self._flag = ctx.RawValue("b", 0)
+            dataset = _WatchGlobalDraws(dataset, self._flag)
+        self.dataset = dataset
+        self.loader = DataLoader(dataset, batch_sampler=self._sampler, **loader_kwargs)
+
+    # iteration ---------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return self.plan.batches_per_epoch()
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """The sample ids of every batch of ``epoch`` on this rank (no data is loaded)."""
+        if self._cache is None or self._cache[0] != epoch:
+            self._cache = (epoch, self.plan.batches(epoch))
+        return self._cache[1]
+
+    def __iter__(self) -> Iterator[Any]:
+        token = object()
+        self._active = token
+        epoch, batches = self.epoch, self.epoch_batches(self.epoch)
+        self._sampler.prepare(epoch, self.plan.seed, batches, self.cursor)
+        # Worker seeds (and a num_workers=0 loader's base seed) come from this
+        # generator, not from torch's global one, which the training step owns.
+        self.loader.generator = torch.Generator().manual_seed(derive("workers", self.plan.seed, epoch) >> 1)
+        return self._consume(token, epoch, batches, iter(self.loader))
+
+    def _consume(self, token: object, epoch: int, batches: list[np.ndarray], it: Iterator[Any]) -> Iterator[Any]:
+        for batch in it:
+            if self._active is not token:
+                raise RuntimeError("this ResumableLoader iterator is stale: the loader was iterated again or "
+                                   "restored since it started; take batches from the newest iterator only")
+            if self.epoch != epoch or self.cursor >= len(batches):
+                raise RuntimeError("the DataLoader yielded more batches than the epoch plan holds")
+            ids = batches[self.cursor]
+            if self._expected is not None:
+                self._check_expected(epoch, self.cursor, ids)
+            self.cursor += 1
+            self.samples_seen += len(ids)
+            if self.count_tokens is not None:
+                self.tokens_seen += int(self.count_tokens(batch))
+            self.last_ids = ids
+            if self.cursor == len(batches):
+                self.epoch, self.cursor = epoch + 1, 0
+            self._note_global_draws()
+            yield batch
+        if self._active is token and self.epoch == epoch:
+            raise RuntimeError(f"the DataLoader stopped after batch {self.cursor} of {len(batches)} in epoch {epoch}")
+
+    def replay(self, epoch: int = 0) -> Iterator[Any]:
+        """Iterate all of ``epoch`` without moving the position: for a fixed validation pass.
+
+        The same batches, and the same per-sample generators, every time.
+        Combine with :func:`~trainstate.evaluating` so the pass consumes no
+        training RNG.
+        """
+        batches = self.epoch_batches(epoch)
+        self._active = None  # a training iterator cannot continue across a replay of the same sampler
+        self._sampler.prepare(epoch, self.plan.seed, batches, 0)
+        self.loader.generator = torch.Generator().manual_seed(derive("workers", self.plan.seed, epoch) >> 1)
+        yield from self.loader
+
+    # position ----------------------------------------------------------------
+    def next_batch(self) -> dict[str, Any]:
+        """Where the next batch comes from, with the fingerprint of its sample ids."""
+        ids = self.epoch_batches(self.epoch)[self.cursor]
+        return {"epoch": self.epoch, "cursor": self.cursor, "size": len(ids),
+                "ids_digest": ids_digest(self.epoch, self.cursor, ids)}
+
+    def data_position(self) -> dict[str, Any]:
+        """Recorded in each generation's manifest and shown by ``trainstate inspect``."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "batches_per_epoch": len(self),
+                "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
+                "next_batch": self.next_batch()["ids_digest"]}
+
+    def data_contract(self) -> dict[str, Any]:
+        """What gives the position its meaning; part of the experiment contract as ``loader.<name>``."""
+        return self.plan.as_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "samples_seen": self.samples_seen,
+                "tokens_seen": self.tokens_seen, "plan": self.plan.as_dict(), "next_batch": self.next_batch(),
+                "worker_global_draws": self._global_draws()}
+
+    def check_state_dict(self, saved: Any) -> None:
+        """Raise :class:`DataMismatch` if ``saved`` cannot be this loader's position; changes nothing."""
+        if type(saved) is not dict or not all(type(saved.get(k)) is int and saved[k] >= 0 for k in _POSITION_KEYS):
+            raise DataMismatch(f"not a ResumableLoader state: expected non-negative ints {_POSITION_KEYS}")
+        live = self.plan.as_dict()
+        plan = saved.get("plan")
+        if type(plan) is not dict:
+            raise DataMismatch("the saved loader state has no plan")
+        changed = [f"{k}: checkpoint {plan.get(k)!r}, this run {live[k]!r}" for k in live if plan.get(k) != live[k]]
+        if changed:
+            raise DataMismatch(
+                "the data plan differs from the checkpoint's, so its position would name other samples: "
+                + "; ".join(changed) + ". Construct the loader with the saved values to resume; a deliberate "
+                "change needs a new run (warm_start the weights).")
+        if saved["cursor"] >= len(self):
+            raise DataMismatch(f"cursor {saved['cursor']} is not below the {len(self)} batches per epoch")
+        expected = saved.get("next_batch")
+        if type(expected) is not dict or (expected.get("epoch"), expected.get("cursor")) != (
+                saved["epoch"], saved["cursor"]):
+            raise DataMismatch("the saved next-batch fingerprint does not match the saved position")
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.check_state_dict(saved)
+        self.epoch, self.cursor = saved["epoch"], saved["cursor"]
+        self.samples_seen, self.tokens_seen = saved["samples_seen"], saved["tokens_seen"]
+        self._expected = dict(saved["next_batch"])
+        self._active = None
+        self._warning = None
+        self._global_draws_seen = bool(saved.get("worker_global_draws"))
+        workers = self.loader.num_workers
+        self._resumed_mid_stream = bool(workers) and (self.cursor > 0 or self.loader.persistent_workers)
+        self._note_global_draws()
+
+    # checks ------------------------------------------------------------------
+    def _check_expected(self, epoch: int, cursor: int, ids: np.ndarray) -> None:
+        expected, self._expected = self._expected, None
+        got = ids_digest(epoch, cursor, ids)
+        if (expected["epoch"], expected["cursor"], expected.get("ids_digest")) == (epoch, cursor, got):
+            return
+        message = (f"the first batch after restore (epoch {epoch}, batch {cursor}, {len(ids)} samples) is not the "
+                   f"one the checkpoint recorded (epoch {expected['epoch']}, batch {expected['cursor']}, "
+                   f"{expected.get('size')} samples): the data pipeline changed (dataset, order, seed, batch size "
+                   "or world size)")
+        if self.on_mismatch == "warn":
+            warnings.warn(message, ContinuationWarning, stacklevel=3)
+            log.warning("%s", message)
+            return
+        raise DataMismatch(message)
+
+    def _global_draws(self) -> bool:
+        return self._global_draws_seen or bool(self._flag is not None and self._flag.value)
+
+    def restore_warnings(self) -> list[str]:
+        """What continues only statistically since the last restore (also warned once, as it is found)."""
+        return [self._warning] if self._warning else []
+
+    def _note_global_draws(self) -> None:
+        if self._warning or not self._resumed_mid_stream or not self._global_draws():
+            return
+        self._warning = message = ("the dataset draws from the DataLoader workers' global RNG (random, numpy.random or torch), "
+                   "and this run resumed in the middle of a worker stream: those draws continue statistically, "
+                   "not bitwise. Draw per-sample randomness from ts.sample_generator(index) for a bitwise resume.")
+        warnings.warn(message, ContinuationWarning, stacklevel=3)
+        log.warning("%s", message)
