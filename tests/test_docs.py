@@ -50,3 +50,40 @@ def test_usage_example_runs_and_resumes(tmp_path, monkeypatch):
     assert len(second["calls"]) == 100  # resumed at 200, the last save, and ran the rest
     assert sorted(p.name for p in (tmp_path / "runs" / "exp1").glob("gen-*")) == [
         "gen-000000000100", "gen-000000000200", "gen-000000000300"]
+
+
+def test_data_position_example_resumes_bitwise(tmp_path, monkeypatch):
+    """The README's loader example, run straight to 300 updates and as 250 + resume: the same weights."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    (tmp_path / "data" / "train" / "shard-0.bin").write_bytes(b"x" * 10)
+    example = next(b for b in _blocks("python") if "ResumableLoader" in b)
+
+    def namespace(directory: str, total: int) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+        def train_step(x, y):
+            opt.zero_grad()
+            ((model(x).squeeze(1) - y) ** 2).mean().backward()
+            opt.step()
+
+        gen = torch.Generator().manual_seed(1)
+        return {"xs": torch.randn(96, 4, generator=gen), "ys": torch.randn(96, generator=gen), "model": model,
+                "opt": opt, "train_step": train_step, "total_updates": total,
+                "__name__": "readme_example", "_dir": directory}
+
+    def run(directory: str, total: int) -> dict:
+        ns = namespace(directory, total)
+        exec(example.replace('"runs/exp2"', repr(directory)), ns)
+        return ns
+
+    straight = run("straight", 300)
+    run("resumed", 250)
+    resumed = run("resumed", 300)  # restores gen 200, replays 200..300
+    assert resumed["state"].next_update == straight["state"].next_update == 300
+    for a, b in zip(straight["model"].parameters(), resumed["model"].parameters()):
+        assert torch.equal(a, b)
+    assert (resumed["loader"].epoch, resumed["loader"].cursor) == (straight["loader"].epoch, straight["loader"].cursor)
+    assert resumed["loader"].samples_seen == straight["loader"].samples_seen == 300 * 32

@@ -52,3 +52,59 @@ def test_other_process_holding_lock_blocks_then_sigkill_frees_it(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+FORKING_HOLDER = """
+import fcntl, os, sys, time, trainstate as ts
+m = ts.CheckpointManager(sys.argv[1]).__enter__()
+if sys.argv[2] == "raw":  # control: a lock trainstate does not manage, shared with the child by fork
+    fd = os.open(os.path.join(sys.argv[1], "other.lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+pid = os.fork()
+if pid == 0:  # a DataLoader worker, say: outlives its parent for a while
+    time.sleep(60)
+    os._exit(0)
+print(pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("kind", ["trainstate", "raw"])
+def test_forked_child_does_not_keep_the_directory_locked(tmp_path, kind):
+    """A child forked while the manager holds the lock (DataLoader workers are) must not keep it after the
+    parent is SIGKILLed. The raw control shows that an ordinary flock would stay held by the child."""
+    import fcntl
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(tmp_path), kind], stdout=subprocess.PIPE,
+                              text=True)
+    grandchild = int(holder.stdout.readline())
+    try:
+        holder.kill()
+        holder.wait()
+        with ts.CheckpointManager(tmp_path):  # the parent is dead; its forked child still runs
+            os.kill(grandchild, 0)
+        fd = os.open(tmp_path / "other.lock", os.O_RDWR | os.O_CREAT)
+        try:
+            if kind == "raw":
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+
+
+def test_close_releases_the_lock_even_while_a_forked_child_lives(tmp_path):
+    manager = ts.CheckpointManager(tmp_path).__enter__()
+    pid = os.fork()
+    if pid == 0:
+        import time
+        time.sleep(30)
+        os._exit(0)
+    try:
+        manager.close()
+        out = subprocess.run([sys.executable, "-c", HOLDER.replace("time.sleep(60)", ""), str(tmp_path)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "locked", out.stderr
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainstate.errors import CorruptGeneration
-from trainstate.manifest import (FileRecord, Manifest, Pointer, generation_name, newest_first, parse_generation_name,
-                                 parse_manifest, parse_pointer)
+from trainstate.manifest import (FileRecord, Manifest, Pointer, _self_digest, generation_name, newest_first,
+                                 parse_generation_name, parse_manifest, parse_pointer)
 from trainstate.retention import keep_last
 
 MANIFEST = Manifest("gen-000000000042", "full", 42, "blake3",
@@ -81,6 +81,36 @@ def test_mutated_metadata_only_ever_raises_corrupt_generation(data):
             parse(bytes(blob), "fuzz")
         except CorruptGeneration:
             pass
+
+
+POSITION = {"epoch": 2, "cursor": 5, "batches_per_epoch": 10, "samples_seen": 250, "tokens_seen": 0,
+            "next_batch": "ab" * 16}
+WITH_DATA = Manifest(**{**MANIFEST.__dict__, "data": {"train": POSITION}})
+
+
+def test_data_position_round_trips_and_is_omitted_when_empty():
+    assert parse_manifest(WITH_DATA.to_bytes(), "m") == WITH_DATA
+    assert "data" not in json.loads(MANIFEST.to_bytes())  # older generations' bytes are unchanged
+    assert json.loads(WITH_DATA.to_bytes())["data"] == {"train": POSITION}
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d.update(data=[]),
+    lambda d: d["data"].update(train=[]),
+    lambda d: d["data"].update({"../x": POSITION}),
+    lambda d: d["data"]["train"].update(epoch=-1),
+    lambda d: d["data"]["train"].update(cursor="5"),
+    lambda d: d["data"]["train"].update(cursor=True),
+    lambda d: d["data"]["train"].pop("samples_seen"),
+    lambda d: d["data"]["train"].update(extra=1),
+    lambda d: d["data"]["train"].update(next_batch="not hex"),
+])
+def test_sealed_malformed_data_position_is_corrupt(edit):
+    data = json.loads(WITH_DATA.to_bytes())
+    edit(data)
+    data["self_digest"] = _self_digest(data, data["digest_algorithm"])  # sealed: only the schema can catch it
+    with pytest.raises(CorruptGeneration):
+        parse_manifest(json.dumps(data).encode(), "m")
 
 
 def test_deeply_nested_json_is_corrupt_not_recursion_error():

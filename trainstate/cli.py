@@ -153,7 +153,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "generation": manifest.generation, "kind": manifest.kind, "next_update": manifest.next_update,
         "created": manifest.created, "digest_algorithm": manifest.digest_algorithm,
         "files": [{"name": f.name, "size": f.size} for f in manifest.files], "versions": manifest.versions,
-        "parent": manifest.parent,
+        "parent": manifest.parent, "data": manifest.data,
         "clocks": state.get("clocks"), "counters": state.get("counters"), "facts": state.get("facts"),
         "contract": state.get("contract"), "history": state.get("history"),
         "components": _tree(state.get("components"), layouts),
@@ -165,6 +165,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{report['generation']}  kind={report['kind']}  next_update={report['next_update']}  "
           f"created={report['created']}")
     print(f"clocks: {report['clocks']}  counters: {report['counters']}")
+    for name, pos in manifest.data.items():
+        print(f"data {name}: epoch {pos['epoch']}, next batch {pos['cursor']} of {pos['batches_per_epoch']}, "
+              f"samples seen {pos['samples_seen']:,}, tokens seen {pos['tokens_seen']:,}, "
+              f"next-batch fingerprint {pos['next_batch']}")
     if report["facts"]:
         print(f"facts: {report['facts']}")
     print(f"tensor data: {report['tensor_bytes']:,} bytes in {len(layouts)} tensors")

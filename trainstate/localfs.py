@@ -28,6 +28,7 @@ import secrets
 import shutil
 import stat
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable, Iterator
@@ -41,6 +42,29 @@ from .manifest import FileRecord, newest_first
 LOCK_FILE = ".trainstate.lock"
 _PREFIX = ".trainstate-"
 _LEFTOVER_RE = re.compile(r"\.trainstate-(staging|trash|tmp)-[A-Za-z0-9._-]{1,80}-[0-9a-f]{16}")
+_LOCK_HOLDERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker, say), let go of the parent's directory locks.
+
+    A flock belongs to the open file description, which fork shares: a child
+    that kept it would hold the run directory locked after the parent closed
+    its manager, or after the parent was killed, until the child exits.
+    Closing the child's descriptor (never LOCK_UN, which would release the
+    parent's lock too) leaves the lock with the parent alone.
+    """
+    for store in list(_LOCK_HOLDERS):
+        if store._lock_fd is not None:
+            try:
+                os.close(store._lock_fd)
+            except OSError:
+                pass
+            store._lock_fd = None
+    _LOCK_HOLDERS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def _token() -> str:
@@ -343,8 +367,12 @@ class LocalStore:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
+        _LOCK_HOLDERS.add(self)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
+            # Explicitly, in case a forked child still shares the description (see _drop_inherited_locks).
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
+            _LOCK_HOLDERS.discard(self)
