@@ -339,6 +339,27 @@ def test_evaluating_extra_rngs_keyword_and_negative_control():
     assert not torch.equal(torch.rand(3, generator=uncovered), expected)
 
 
+def test_nested_evaluating_restores_each_level():
+    model = _mixed_model()
+    state = ts.TrainState(model=model)
+    before = _modes(model)
+    _seed_globals(9)
+    expected = _draw()
+    _seed_globals(9)
+    with ts.evaluating(state):
+        _draw()
+        inner_expected = _draw()
+        _seed_globals(9)
+        _draw()
+        with ts.evaluating(state):
+            model.train()
+            _draw()
+        assert not any(_modes(model))
+        assert _same_draws(_draw(), inner_expected)
+    assert _modes(model) == before
+    assert _same_draws(_draw(), expected)
+
+
 def test_evaluating_rejects_a_non_generator():
     with pytest.raises(TypeError, match="rngs\\['bad'\\]"):
         with ts.evaluating([], rngs={"bad": 42}):
@@ -394,6 +415,27 @@ def test_replay_repeats_and_does_not_move_the_position(num_workers):
     rest = _collect(iter(loader))
     assert_same([b[2] for b in rest], [b[2] for b in first[2:]])
     assert loader.epoch == 1 and loader.cursor == 0
+
+
+class TwoDraws(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index):
+        return torch.rand((), generator=ts.sample_generator(index)), torch.rand(()), int(index)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_replay_with_workers_repeats_per_sample_draws(persistent):
+    """Per-sample generators repeat on every replay. Draws from the workers' global RNG repeat
+    only when each replay starts fresh workers: persistent workers continue their streams."""
+    loader = ts.ResumableLoader(TwoDraws(), batch_size=4, seed=3, shuffle=False, num_workers=2,
+                                persistent_workers=persistent)
+    first, second = _collect(loader.replay()), _collect(loader.replay())
+    for column in (0, 2):
+        assert_same([b[column] for b in second], [b[column] for b in first])
+    same_global = all(torch.equal(a[1], b[1]) for a, b in zip(first, second))
+    assert same_global is not persistent
 
 
 def test_replay_of_validation_loader_leaves_training_loader_alone():

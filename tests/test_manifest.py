@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from trainstate.errors import CorruptGeneration
 from trainstate.manifest import (FileRecord, Manifest, Pointer, _self_digest, generation_name, newest_first,
                                  parse_generation_name, parse_manifest, parse_pointer)
-from trainstate.retention import keep_last
+from trainstate.retention import Retention, best_generation, plan
 
 MANIFEST = Manifest("gen-000000000042", "full", 42, "blake3",
                     (FileRecord("state.json", 10, "ab" * 32), FileRecord("tensors.safetensors", 20, "cd" * 32)),
@@ -120,15 +120,33 @@ def test_deeply_nested_json_is_corrupt_not_recursion_error():
 
 def test_keep_last_plan():
     names = [generation_name(u) for u in (1, 2, 3, 10, 20)] + ["gen-000000000002-weights", "foreign"]
-    plan = keep_last(names, newest="gen-000000000010", kind="full", keep=2)
-    assert plan.keep == ("gen-000000000010", "gen-000000000003")
-    assert plan.prune == ("gen-000000000002", "gen-000000000001")
-    assert plan.above_newest == ("gen-000000000020",)
-    lineage = keep_last(names, newest="gen-000000000010", kind="full", keep=2,
-                        lineage={"gen-000000000010", "gen-000000000002", "gen-000000000001"})
-    assert lineage.keep == ("gen-000000000010", "gen-000000000002")
-    assert lineage.prune == ("gen-000000000001",) and lineage.off_lineage == ("gen-000000000003",)
-    weights = keep_last(names, newest="gen-000000000002-weights", kind="weights", keep=1)
-    assert weights.prune == () and weights.keep == ("gen-000000000002-weights",)
+    newest = {"full": "gen-000000000010", "weights": "gen-000000000002-weights"}
+    p = plan(names, policy=Retention(keep_last=2), newest=newest)
+    assert p.keep == ("gen-000000000020", "gen-000000000010", "gen-000000000003", "gen-000000000002-weights")
+    assert p.prune == ("gen-000000000002", "gen-000000000001")
+    assert "newer than the newest" in p.reasons("gen-000000000020")[0]
+    lineage = plan(names, policy=Retention(keep_last=2), newest=newest,
+                   lineage={"gen-000000000010", "gen-000000000002", "gen-000000000001"})
+    assert lineage.prune == ("gen-000000000001",)
+    assert "not an ancestor" in lineage.reasons("gen-000000000003")[0]
+    nothing = plan(names, policy=Retention(keep_last=1), newest={"full": None, "weights": None})
+    assert nothing.prune == ()
     with pytest.raises(ValueError):
-        keep_last(names, newest="gen-000000000010", kind="full", keep=0)
+        Retention(keep_last=0)
+
+
+def test_milestones_pins_and_best_are_kept_with_reasons():
+    names = [generation_name(u) for u in range(100, 1100, 100)]
+    metrics = {n: {"val_loss": float(abs(u - 400))} for u, n in zip(range(100, 1100, 100), names)}
+    best = best_generation(metrics, ("val_loss", "min"))
+    assert best == "gen-000000000400"
+    assert best_generation(metrics, ("val_loss", "max")) == "gen-000000001000"
+    p = plan(names, policy=Retention(keep_last=2, milestone_every=500, best=("val_loss", "min")),
+             newest={"full": names[-1]}, pins={"final": "gen-000000000200", "rc": "gen-000000000200"}, best=best)
+    assert p.keep == ("gen-000000001000", "gen-000000000900", "gen-000000000500", "gen-000000000400",
+                      "gen-000000000200")
+    assert p.reasons("gen-000000000200") == ("pinned: final, rc",)
+    assert p.reasons("gen-000000000400") == ("best val_loss (min)",)
+    assert p.reasons("gen-000000000500") == ("milestone (every 500 updates)",)
+    assert "keep   gen-000000001000  newest: the recovery point" in p.describe()
+    assert "prune  gen-000000000100  older than the last 2 full generations" in p.describe()

@@ -190,14 +190,16 @@ def tiny_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_real_enospc_keeps_previous_generation(tiny_fs):
+@pytest.mark.parametrize("preflight", [False, True], ids=["mid-write-enospc", "preflight-refusal"])
+def test_real_enospc_keeps_previous_generation(tiny_fs, preflight):
+    """Without the preflight the write itself hits ENOSPC; with it, the save is refused before staging."""
     model = torch.nn.Linear(300, 300)  # ~360 KB of weights, ~1 MB with AdamW moments
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 300)).sum().backward()
     opt.step()
     state = ts.TrainState(model=model, optimizer=opt)
     run = tiny_fs / "run"
-    with ts.CheckpointManager(run, keep_last=5) as ckpt:
+    with ts.CheckpointManager(run, keep_last=5, preflight=preflight) as ckpt:
         state.next_update = 1
         ckpt.save(state)
         filler = tiny_fs / "filler"
@@ -210,6 +212,7 @@ def test_real_enospc_keeps_previous_generation(tiny_fs):
         with pytest.raises(OSError) as err:
             ckpt.save(state)
         assert err.value.errno == errno.ENOSPC
+        assert isinstance(err.value, ts.InsufficientSpace) == preflight
         assert [n for n in _names(run) if n.startswith("gen-")] == ["gen-000000000001"]
         assert not [n for n in _names(run) if n.startswith(".trainstate-staging")]
         filler.unlink()

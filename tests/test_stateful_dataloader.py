@@ -164,9 +164,14 @@ def _reference(kind: str, num_workers: int) -> tuple[dict, dict]:
     return _REFERENCES[key]
 
 
-def _interrupted(tmp_path, kind: str, num_workers: int, *, consumed: int = K, workaround: bool = False,
-                 capture: bool = True, restore: bool = True) -> tuple[dict[str, bool], ts.RestoreInfo | None]:
-    """Consume ``consumed`` batches, save, rebuild with scrambled globals, restore, finish epoch 0 and run epoch 1."""
+def _interrupted(tmp_path, kind: str, num_workers: int, *, consumed: int = K, finished: bool = False,
+                 workaround: bool = False, capture: bool = True,
+                 restore: bool = True) -> tuple[dict[str, bool], ts.RestoreInfo | None]:
+    """Consume ``consumed`` batches, save, rebuild with scrambled globals, restore, finish epoch 0 and run epoch 1.
+
+    ``finished``: the iterator also ran into StopIteration before the save (a ``for`` loop over
+    the whole epoch), so the first iterator after the restore starts epoch 1.
+    """
     epoch0, epoch1 = _reference(kind, num_workers)
     _seed_globals(7)
     state, loader = _build(kind, num_workers)
@@ -175,6 +180,10 @@ def _interrupted(tmp_path, kind: str, num_workers: int, *, consumed: int = K, wo
     head = _take(iterator, consumed)
     for name in head:  # the setup itself is deterministic
         assert torch.equal(head[name], epoch0[name][:consumed * BATCH]), name
+    if finished:
+        assert consumed == N // BATCH
+        with pytest.raises(StopIteration):
+            next(iterator)
     with ts.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(state)
     del iterator, state, loader
@@ -190,8 +199,8 @@ def _interrupted(tmp_path, kind: str, num_workers: int, *, consumed: int = K, wo
     iterator = iter(loader)
     if workaround:
         torch.set_rng_state(saved)
-    rest = _take(iterator)
-    after = _take(iter(loader))
+    rest = _take([]) if finished else _take(iterator)
+    after = _take(iterator if finished else iter(loader))
     expected_rest = _slice(epoch0, consumed)
     outcome = {name: torch.equal(rest[name], expected_rest[name]) for name in ("ids", "aug_global", "aug_index")}
     outcome.update({f"next_{name}": torch.equal(after[name], epoch1[name]) for name in ("ids", "aug_global")})

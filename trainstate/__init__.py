@@ -22,34 +22,44 @@ __version__ = "0.1.0"
 from .contract import fingerprint
 from .datafiles import data_manifest
 from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
-                     FieldChange, GenerationExists, NoValidGeneration, PendingGradients, Rejection, StateMismatch,
+                     FieldChange, GenerationExists, InsufficientSpace, NoValidGeneration, PendingGradients, Rejection, StateMismatch,
                      TopologyMismatch, TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
 from .evaluation import evaluating
 from .loader import ResumableLoader
-from .manager import CheckpointManager, GenerationInfo, RestoreInfo
+from .manager import Cadence, CheckpointManager, GenerationInfo, RestoreInfo, Status
+from .preemption import EXIT_PREEMPTED, PreemptionHandler
+from .rehearsal import Rehearsal
+from .retention import Retention
 from .signing import SigningKey
 from .samplerng import SampleIndex, sample_generator
 from .state import TrainState
 from .warmstart import warm_start
 
 __all__ = [
+    "Cadence",
     "CheckpointManager",
     "ContinuationWarning",
     "ContractMismatch",
     "CorruptGeneration",
     "DataMismatch",
     "DirectoryLocked",
+    "EXIT_PREEMPTED",
     "FieldChange",
     "GenerationExists",
     "GenerationInfo",
+    "InsufficientSpace",
     "NoValidGeneration",
     "PendingGradients",
+    "PreemptionHandler",
+    "Rehearsal",
     "Rejection",
     "RestoreInfo",
     "ResumableLoader",
+    "Retention",
     "SampleIndex",
     "SigningKey",
     "StateMismatch",
+    "Status",
     "TopologyMismatch",
     "TrainState",
     "TrainStateError",

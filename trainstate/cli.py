@@ -1,4 +1,4 @@
-"""Command line: ``trainstate ls|verify|inspect|demo`` (also ``python -m trainstate``).
+"""Command line: ``trainstate ls|verify|inspect|demo|prune|pin|unpin|plan|cadence`` (also ``python -m trainstate``).
 
 Every command reads metadata through the same trusted reader as restore:
 nothing here unpickles, so it is safe to point at a hostile directory.
@@ -13,11 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import cli_lifecycle, signing
 from .errors import CorruptGeneration, TrainStateError
-from . import signing
 from .localfs import LocalStore
 from .signing import SigningKey
 from .manifest import POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
+from .lifecycle import Lifecycle
+from .rehearsal import load_factory, rehearse
 from .verify import read_layouts, read_manifest, read_state_json, verify_generation
 
 
@@ -61,7 +63,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except (TrainStateError, OSError) as exc:
             row.update(size=None, created=None, state=f"INVALID: {exc}")
         rows.append(row)
+    full = pointers.get(POINTER, {})
+    recovery = full.get("generation") if full.get("ok") and any(
+        r["generation"] == full.get("generation") and not r["state"].startswith("INVALID") for r in rows) else None
+    pins: dict[str, str] = {}
+    try:
+        pins = Lifecycle(store, key).pins()
+    except CorruptGeneration as exc:
+        rows.append({"generation": "pins", "update": 0, "kind": "-", "latest": None, "size": None,
+                     "created": None, "state": f"INVALID: {exc}"})
+    for r in rows:
+        r["pins"] = sorted(p for p, g in pins.items() if g == r["generation"])
     report = {"directory": store.location, "generations": rows, "leftovers": store.leftovers(),
+              "recovery_point": recovery, "pins": pins,
               "pointers": {k: {kk: vv for kk, vv in v.items() if kk != "pointer"} for k, v in pointers.items()}}
     if args.json:
         print(json.dumps(report, indent=1))
@@ -70,7 +84,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         size = "-" if r["size"] is None else f"{r['size']:,}"
         print(f"{r['generation']:<26}{r['update']:>10}  {r['kind']:<8}{size:>12}  {r['created'] or '-':<33}"
-              f"{r['latest'] or '':<16}{r['state']}")
+              f"{r['latest'] or '':<16}{r['state']}{'  pinned: ' + ', '.join(r['pins']) if r['pins'] else ''}")
+    if recovery:
+        print(f"recovery point: {recovery} (a restart resumes here)")
+    else:
+        print("recovery point: none (no valid full generation; weights-only generations are not restart protection)")
     for name, p in report["pointers"].items():
         if not p["ok"]:
             print(f"pointer {name}: INVALID: {p['error']}")
@@ -106,11 +124,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 except TrainStateError as exc:
                     failures.append({"generation": pname, "error": f"names {p['generation']}, which verifies on "
                                      f"its own, but the pointer's record does not match it: {exc}"})
+    rehearsed = None
+    if args.rehearse:
+        target = names[0] if single else (pointers.get(POINTER, {}).get("generation")
+                                          if pointers.get(POINTER, {}).get("ok") else None)
+        if target is None:
+            failures.append({"generation": POINTER, "error": "nothing to rehearse: no valid latest pointer"})
+        else:
+            try:
+                result = rehearse(store, target, load_factory(args.rehearse), key=key)
+                rehearsed = {"generation": target, "checks": list(result.checks), "warnings": list(result.warnings)}
+            except (TrainStateError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+                failures.append({"generation": target, "error": f"rehearsal failed: {type(exc).__name__}: {exc}"})
     if args.json:
-        print(json.dumps({"verified": checked, "failures": failures}, indent=1))
+        out: dict[str, Any] = {"verified": checked, "failures": failures}
+        if args.rehearse:
+            out["rehearsal"] = rehearsed
+        print(json.dumps(out, indent=1))
     else:
         for name in checked:
             print(f"ok      {name}")
+        if rehearsed:
+            print(f"rehearsed {rehearsed['generation']} into fresh objects: {', '.join(rehearsed['checks'])}")
         for f in failures:
             print(f"FAILED  {f['generation']}: {f['error']}")
         if not names:
@@ -216,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("verify", help="verify every committed generation (exit 1 on any failure)")
     p.add_argument("target", help="a run directory or one generation directory")
+    p.add_argument("--rehearse", metavar="FACTORY", default=None,
+                   help="module:function returning a fresh TrainState; restore the latest (or the given) "
+                   "generation into it, as a restart would, without touching any live run")
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("inspect", help="show a generation's components, clocks and contract (no tensor data read)")
     p.add_argument("generation", help="a generation directory, or a run directory for its newest")
@@ -225,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for the kill schedule (default: random)")
     p.add_argument("--kills", type=int, default=6, help="how many SIGKILLs to deliver")
     p.set_defaults(func=cmd_demo)
+    cli_lifecycle.register(sub)
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
@@ -234,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (TrainStateError, OSError) as exc:
+    except (TrainStateError, OSError, ValueError, KeyError) as exc:
         if getattr(args, "json", False):
             print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
         else:

@@ -16,6 +16,7 @@ describes the same situation, the subclass inherits it too, so existing
     ├── NoValidGeneration(FileNotFoundError)
     │                                    nothing restorable; lists every rejection
     ├── GenerationExists(FileExistsError) refusing to overwrite a published generation
+    ├── InsufficientSpace(OSError)       the disk cannot hold the next generation (errno ENOSPC)
     └── DirectoryLocked(BlockingIOError) another writer holds the run directory
 """
 
@@ -139,3 +140,21 @@ class GenerationExists(TrainStateError, FileExistsError):
 
 class DirectoryLocked(TrainStateError, BlockingIOError):
     """Another live process is writing to the run directory."""
+
+
+class InsufficientSpace(TrainStateError, OSError):
+    """The preflight found too little free space for the next generation; nothing was written."""
+
+    def __init__(self, directory: str, generation: str, needed: int, available: int):
+        import errno
+
+        self.directory, self.generation, self.needed, self.available = directory, generation, needed, available
+        super().__init__(
+            errno.ENOSPC,
+            f"not enough space in {directory} for {generation}: about {needed:,} bytes needed (the state plus "
+            f"headroom), {available:,} available after pruning what the retention policy allows. Nothing was "
+            "written and the existing generations are intact; free space (or lower keep_last, or unpin) and "
+            "save again")
+
+    def __str__(self) -> str:
+        return self.strerror

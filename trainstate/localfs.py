@@ -20,6 +20,7 @@ pages, so the staging area is abandoned and the error raised.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -368,6 +369,24 @@ class LocalStore:
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
         _LOCK_HOLDERS.add(self)
+
+    @contextlib.contextmanager
+    def exclusive(self, name: str) -> Iterator[None]:
+        """A short, blocking, cross-process mutex (``.trainstate.<name>.lock``), e.g. pins against prune."""
+        fd = os.open(self.root / f".trainstate.{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def free_bytes(self) -> int | None:
+        """Bytes available to this process on the directory's filesystem."""
+        try:
+            info = os.statvfs(self.root)
+        except OSError:
+            return None
+        return info.f_bavail * info.f_frsize
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

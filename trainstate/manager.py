@@ -9,20 +9,27 @@ only then loads into the live objects.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import cadence as cadence_mod
 from . import contract as contract_mod
-from . import retention, signing, snapshot, tensorfile
-from .errors import (ContractMismatch, CorruptGeneration, FieldChange, GenerationExists, NoValidGeneration,
-                     PendingGradients, Rejection, WeightsOnlyGeneration)
+from . import signing, snapshot, tensorfile
+from .errors import (ContractMismatch, CorruptGeneration, FieldChange, GenerationExists, InsufficientSpace,
+                     NoValidGeneration, PendingGradients, Rejection, WeightsOnlyGeneration)
+from .lifecycle import Lifecycle, new_timeline
 from .localfs import LocalStore
-from .manifest import (MANIFEST, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer, generation_name,
+from .manifest import (MANIFEST, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer, check_name, generation_name,
                        parse_generation_name, parse_pointer)
+from .rehearsal import Factory, Rehearsal, rehearse
+from .retention import Plan, Retention
 from .signing import SigningKey
 from .state import TrainState
 from .storage import Store
@@ -67,6 +74,97 @@ class RestoreInfo:
         return not self.contract_changes and not self.warnings
 
 
+@dataclass(frozen=True)
+class Status:
+    """What the run directory protects right now, and what the manager has measured.
+
+    ``recovery_point`` is the newest *full* generation the ``latest`` pointer
+    names: a restart resumes there. Weights-only generations never count as
+    restart protection; ``latest_weights`` is reported on its own.
+    """
+
+    directory: str
+    recovery_point: str | None
+    recovery_update: int | None
+    latest_weights: str | None
+    generations: int
+    pins: dict[str, str]
+    best: str | None
+    last_save_s: float | None  # blocking time of the last save in this process
+    mean_save_s: float | None
+    mean_update_s: float | None  # between update boundaries, saves excluded (measured by due())
+    interval_updates: int | None  # the cadence in force, when a cadence is configured and measured
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Pick the full-save interval from measurements (see :mod:`trainstate.cadence`).
+
+    ``mtbf_s`` is the mean time between failures; ``restart_s`` the time a
+    restart costs. The first save is due after ``first_after`` updates (to
+    measure a save); afterwards the interval is Daly's optimum (``model="young"``
+    for Young's), in updates, clamped to ``[min_updates, max_updates]``.
+    """
+
+    mtbf_s: float
+    restart_s: float = 0.0
+    first_after: int = 10
+    min_updates: int = 1
+    max_updates: int | None = None
+    model: str = "daly"
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mtbf_s) and self.mtbf_s > 0):
+            raise ValueError(f"mtbf_s must be positive, got {self.mtbf_s!r}")
+        if self.model not in ("daly", "young"):
+            raise ValueError(f"model must be 'daly' or 'young', got {self.model!r}")
+        if self.first_after < 1 or self.min_updates < 1 or (self.max_updates is not None
+                                                               and self.max_updates < self.min_updates):
+            raise ValueError("first_after and min_updates must be >= 1, and max_updates >= min_updates")
+
+
+class _Clock:
+    """Measured save cost and update time (monotonic clock)."""
+
+    def __init__(self) -> None:
+        self.saves: list[float] = []
+        self.updates: list[float] = []
+        self.last_boundary: float | None = None
+        self.saving_since_boundary = 0.0
+
+    def boundary(self) -> None:
+        now = time.monotonic()
+        if self.last_boundary is not None:
+            self.updates.append(max(now - self.last_boundary - self.saving_since_boundary, 1e-9))
+            del self.updates[:-1000]
+        self.last_boundary, self.saving_since_boundary = now, 0.0
+
+    def saved(self, seconds: float) -> None:
+        self.saves.append(seconds)
+        del self.saves[:-20]
+        self.saving_since_boundary += seconds
+
+    @staticmethod
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+
+def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    out = {}
+    for name, value in (metrics or {}).items():
+        check_name("metric", name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"metric {name!r} must be a finite number, got {value!r}")
+        out[name] = float(value)
+    return out
+
+
+def _policy_record(policy: Retention) -> dict[str, Any]:
+    record = dataclasses.asdict(policy)
+    record["best"] = list(policy.best) if policy.best else None
+    return record
+
+
 class CheckpointManager:
     """Durable, verified checkpoints of a :class:`TrainState` in one run directory.
 
@@ -76,31 +174,56 @@ class CheckpointManager:
     ...     ckpt.save(state)             # returns once durable and published
 
     ``keep_last`` full generations are kept (weights-only generations are
-    counted separately); pruning runs only after a new generation has
-    verified and the pointer has moved. ``digest`` names the content hash
-    (``"blake3"`` or ``"sha256"``). Every file's bytes are read back and
-    checked against their digest while its fsync runs, before the rename;
-    ``verify`` chooses the check after the rename: ``"fast"`` (default)
-    checks the manifest's digest, the file set and every size, ``"full"``
-    also re-reads and re-hashes every byte (it costs a full read).
+    counted separately); ``retention=Retention(...)`` adds milestones, a
+    best-by-metric generation and a separate weights-only count, and pins
+    (:meth:`pin`) keep named generations. Pruning runs only after a new
+    generation has verified and the pointer has moved. ``digest`` names the
+    content hash (``"blake3"`` or ``"sha256"``). Every file's bytes are read
+    back and checked against their digest while its fsync runs, before the
+    rename; ``verify`` chooses the check after the rename: ``"fast"``
+    (default) checks the manifest's digest, the file set and every size,
+    ``"full"`` also re-reads and re-hashes every byte. ``rehearse`` (a
+    function returning a fresh :class:`TrainState`) additionally restores
+    every new full generation into fresh objects before its pointer moves.
     ``signing_key`` (or ``TRAINSTATE_SIGNING_KEY``/``TRAINSTATE_SIGNING_KEY_FILE``
     in the environment) signs every manifest and pointer with HMAC-SHA256, and
-    restore then refuses unsigned or forged generations.
+    restore then refuses unsigned or forged generations. ``preflight`` checks
+    free space before staging (``headroom`` is the fraction of the estimated
+    size kept free beyond it). ``cadence=Cadence(mtbf_s=...)`` makes
+    :meth:`due` pick the save interval from measurements.
     The manager holds an exclusive lock on the directory while open.
     """
 
-    def __init__(self, directory: str | Path, *, keep_last: int = 3, digest: str = "blake3",
-                 verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
-                 store: Store | None = None):
+    def __init__(self, directory: str | Path, *, keep_last: int = 3, retention: Retention | None = None,
+                 digest: str = "blake3", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
+                 store: Store | None = None, rehearse: Factory | None = None, preflight: bool = True,
+                 headroom: float = 0.05, cadence: Cadence | None = None):
         if type(keep_last) is not int or keep_last < 1:
             raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
+        if retention is not None and keep_last != 3:
+            raise ValueError("pass keep_last inside retention=Retention(keep_last=...), not both")
         if verify not in ("full", "fast"):
             raise ValueError(f"verify must be 'full' or 'fast', got {verify!r}")
+        if not (math.isfinite(headroom) and 0 <= headroom <= 10):
+            raise ValueError(f"headroom must be a fraction in [0, 10], got {headroom!r}")
+        if rehearse is not None and not callable(rehearse):
+            raise TypeError("rehearse must be a function returning a fresh TrainState")
         self.store: Store = store if store is not None else LocalStore(directory, digest)
         self.key = signing.resolve(signing_key, directory)
-        self.keep_last = keep_last
+        self.retention = retention if retention is not None else Retention(keep_last=keep_last)
         self.verify_mode = verify
+        self.rehearse_factory = rehearse
+        self.preflight = preflight
+        self.headroom = headroom
+        self.cadence = cadence
+        self.lifecycle = Lifecycle(self.store, self.key)
         self.last_rejections: tuple[Rejection, ...] = ()
+        self._clock = _Clock()
+        self._last_full_update: int | None = None
+
+    @property
+    def keep_last(self) -> int:
+        return self.retention.keep_last
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -114,15 +237,21 @@ class CheckpointManager:
         self.store.unlock()
 
     # saving ------------------------------------------------------------------
-    def save(self, state: TrainState, *, weights_only: bool = False, include_grads: bool = False) -> GenerationInfo:
+    def save(self, state: TrainState, *, weights_only: bool = False, include_grads: bool = False,
+             metrics: Mapping[str, float] | None = None) -> GenerationInfo:
         """Publish a generation of ``state``; returns once it is durable, verified and latest.
 
         Refuses while gradients are pending (a backward pass since the last
         optimizer step) unless ``include_grads=True``, which also saves them so
         the accumulation resumes bitwise (keep your microbatch cursor in
-        ``state.counters``).
+        ``state.counters``). ``metrics`` (finite numbers by name) are recorded
+        in the manifest; the retention policy's ``best`` metric reads them.
+        Raises :class:`InsufficientSpace` before writing anything when the
+        disk cannot hold the generation even after pruning what policy allows.
         """
+        started = time.monotonic()
         kind = "weights" if weights_only else "full"
+        recorded = _metrics(metrics)
         if kind == "full" and state.pending_gradients and not include_grads:
             raise PendingGradients(
                 "gradients are pending: a backward pass accumulated into .grad since the last optimizer.step(). "
@@ -135,7 +264,14 @@ class CheckpointManager:
         self._make_room_for(name)
         for leftover in self.store.clean_leftovers():
             log.info("removed leftover %s from an interrupted save", leftover)
-        manifest_bytes = self._stage_and_commit(name, state, skeleton, tensors, positions)
+        if self.preflight:
+            self._check_space(name, sum(t.nbytes for t in tensors.values()) + 128 * len(tensors)
+                              + len(snapshot.state_json(skeleton)))
+        if state.lineage is None:
+            state.lineage = [[new_timeline(), None]]
+        extra = {"data": positions, "metrics": recorded, "retention": _policy_record(self.retention),
+                 "lineage": [list(e) for e in state.lineage] if kind == "full" else []}
+        manifest_bytes = self._stage_and_commit(name, state, skeleton, tensors, extra)
         try:
             verified = verify_generation(self.store, name, content=self.verify_mode == "full", key=self.key)
             if verified.manifest.to_bytes(self.key) != manifest_bytes:
@@ -143,15 +279,42 @@ class CheckpointManager:
         except CorruptGeneration:
             self.store.remove(name)  # committed but not what we wrote: never let it become latest
             raise
+        if kind == "full" and self.rehearse_factory is not None:
+            self._rehearse_new(name)
         pointer = Pointer(name, verified.manifest_digest, verified.manifest_size,
                           verified.manifest.digest_algorithm, state.next_update, kind)
         self.store.write_pointer(POINTER if kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(self.key))
         if kind == "full":
             state.parent = name
-        self._prune(name, kind)
+            self._last_full_update = state.next_update
+        self._prune({kind: name})
+        self._clock.saved(time.monotonic() - started)
         return GenerationInfo.from_verified(self.store, verified)
 
+    def _rehearse_new(self, name: str) -> None:
+        try:
+            rehearse(self.store, name, self.rehearse_factory, key=self.key)
+        except Exception:
+            aside = self.store.set_aside(name, "rejected")
+            log.error("%s failed its restart rehearsal; moved aside to %s, the pointer was not moved", name, aside)
+            raise
+
+    def _check_space(self, name: str, live_bytes: int) -> None:
+        """Refuse before staging when the generation cannot fit, after pruning what policy allows."""
+        estimate = live_bytes + (64 << 10)  # the manifest, and a block of slack per file
+        needed = int(estimate * (1 + self.headroom))
+        free = self.store.free_bytes()
+        if free is None or free >= needed:
+            return
+        plan = self.lifecycle.prune(self.retention)
+        if plan.prune:
+            log.warning("pruned %s before saving %s to make room", ", ".join(plan.prune), name)
+            free = self.store.free_bytes() or 0
+        if free < needed:
+            raise InsufficientSpace(self.store.location, name, needed, free)
+
     def _make_room_for(self, name: str) -> None:
+
         """Decide what happens to an existing generation with the name about to be published.
 
         The committed latest, when valid, is never replaced: saving the same update
@@ -185,7 +348,7 @@ class CheckpointManager:
             return None
 
     def _stage_and_commit(self, name: str, state: TrainState, skeleton: dict, tensors: dict,
-                          positions: dict[str, dict]) -> bytes:
+                          extra: dict[str, Any]) -> bytes:
         staging = self.store.begin(name)
         try:
             layout = tensorfile.plan(tensors)
@@ -196,7 +359,7 @@ class CheckpointManager:
                 digest_algorithm=self.store.digest_algorithm, files=tuple(files),
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
                 contract_fingerprint=contract_mod.digest(skeleton["contract"]["fields"]),
-                versions=skeleton["contract"]["versions"], parent=state.parent, data=positions)
+                versions=skeleton["contract"]["versions"], parent=state.parent, **extra)
             manifest_bytes = manifest.to_bytes(self.key)
             staging.write(MANIFEST, [manifest_bytes])
             staging.commit()
@@ -205,29 +368,91 @@ class CheckpointManager:
             raise
         return manifest_bytes
 
-    def _prune(self, newest: str, kind: str) -> None:
-        names = self.store.generations()
-        lineage = self._lineage(newest, names) if kind == "full" else None
-        plan = retention.keep_last(names, newest=newest, kind=kind, keep=self.keep_last, lineage=lineage)
-        if plan.off_lineage:
-            log.warning("generations that are not ancestors of %s (skipped by restore, or from an abandoned "
-                        "timeline) are kept and not counted by keep_last: %s", newest, ", ".join(plan.off_lineage))
-        if plan.above_newest:
-            log.warning("generations newer than the just-published %s are left in place (from an abandoned "
-                        "or interrupted run): %s", newest, ", ".join(plan.above_newest))
-        for name in plan.prune:
-            self.store.remove(name)
+    def _prune(self, published: dict[str, str]) -> None:
+        """Prune by policy, anchored on what was just published (and the other kind's verified pointer)."""
+        anchors = {**self.lifecycle.anchors(), **published}
+        try:
+            self.lifecycle.prune(self.retention, anchors)
+        except CorruptGeneration as exc:  # a damaged pins file: prune nothing rather than guess what it pinned
+            log.error("not pruning: %s. Fix or remove the pins file (trainstate pin re-creates it)", exc)
 
-    def _lineage(self, newest: str, names: list[str]) -> set[str]:
-        """``newest`` and its ancestors through each manifest's ``parent`` link, as far as they exist."""
-        lineage, name, existing = set(), newest, set(names)
-        while name in existing and name not in lineage:
-            lineage.add(name)
-            try:
-                name = read_manifest(self.store, name, key=self.key)[0].parent
-            except CorruptGeneration:
-                break
-        return lineage
+    # retention ---------------------------------------------------------------
+    def plan(self) -> Plan:
+        """What a prune would keep and remove now, with the reason for each generation (changes nothing)."""
+        return self.lifecycle.plan(self.retention)
+
+    def prune(self, *, dry_run: bool = False) -> Plan:
+        """Apply the retention policy now (it also runs after every save); returns the plan."""
+        self.store.lock()
+        return self.lifecycle.prune(self.retention, dry_run=dry_run)
+
+    def pin(self, name: str, generation: str) -> None:
+        """Keep ``generation`` until unpinned, under a name such as ``"final"`` or ``"release-candidate"``."""
+        self.lifecycle.pin(name, generation)
+
+    def unpin(self, name: str) -> str:
+        """Drop a pin; the generation is pruned by a later prune if no other rule keeps it."""
+        return self.lifecycle.unpin(name)
+
+    def pins(self) -> dict[str, str]:
+        return self.lifecycle.pins()
+
+    def best(self) -> str | None:
+        """The best generation by the retention policy's metric (an evaluation artifact, not the resume point)."""
+        if self.retention.best is None:
+            return None
+        reasons = [d for d in self.plan().decisions if any(r.startswith("best ") for r in d.reasons)]
+        return reasons[0].generation if reasons else None
+
+    def rehearse(self, factory: Factory, generation: str | None = None) -> Rehearsal:
+        """Restore ``generation`` (default: latest) into ``factory()``'s fresh objects, touching nothing live."""
+        name = generation or self.latest()
+        if name is None:
+            raise NoValidGeneration(self.store.location, [])
+        return rehearse(self.store, name, factory, key=self.key)
+
+    # cadence -----------------------------------------------------------------
+    def due(self, state: TrainState) -> bool:
+        """Call once per update boundary: True when a full save is due under the configured cadence.
+
+        Also measures the update time (saves excluded) for :meth:`advice` and :meth:`status`.
+        """
+        if self.cadence is None:
+            raise ValueError("due() needs CheckpointManager(..., cadence=Cadence(mtbf_s=...))")
+        self._clock.boundary()
+        interval = self._interval()
+        since = self._last_full_update
+        if since is None:
+            since = state.next_update if state.parent is None else parse_generation_name(state.parent)[0]
+            self._last_full_update = since
+            if not self._clock.saves:
+                interval = self.cadence.first_after
+        return state.next_update - since >= (interval or self.cadence.first_after)
+
+    def advice(self, mtbf_s: float | None = None) -> cadence_mod.Advice | None:
+        """Young's and Daly's intervals from the measured save cost and update time (None until measured)."""
+        mtbf = mtbf_s if mtbf_s is not None else (self.cadence.mtbf_s if self.cadence else None)
+        save, step = self._clock.mean(self._clock.saves), self._clock.mean(self._clock.updates)
+        if mtbf is None or save is None or step is None:
+            return None
+        return cadence_mod.advise(save, mtbf, step, self.cadence.restart_s if self.cadence else 0.0)
+
+    def _interval(self) -> int | None:
+        advice = self.advice()
+        if advice is None:
+            return None
+        updates = advice.daly_updates if self.cadence.model == "daly" else advice.young_updates
+        updates = max(updates, self.cadence.min_updates)
+        return updates if self.cadence.max_updates is None else min(updates, self.cadence.max_updates)
+
+    def status(self) -> Status:
+        """The recovery point (last full generation), weights-only latest, pins, best and measurements."""
+        anchors = self.lifecycle.anchors()
+        full = anchors.get("full")
+        return Status(self.store.location, full, parse_generation_name(full)[0] if full else None,
+                      anchors.get("weights"), len(self.store.generations()), self.lifecycle.pins(), self.best(),
+                      self._clock.saves[-1] if self._clock.saves else None, self._clock.mean(self._clock.saves),
+                      self._clock.mean(self._clock.updates), self._interval() if self.cadence else None)
 
     # restoring ---------------------------------------------------------------
     def restore(self, state: TrainState, *, generation: str | None = None, allow_changes: Iterable[str] = (),
@@ -258,8 +483,25 @@ class CheckpointManager:
             report = getattr(component, "restore_warnings", None)
             warnings += list(report()) if callable(report) else []
         state.parent = name
+        state.lineage = self._continue_lineage(verified.manifest)
         return RestoreInfo(GenerationInfo.from_verified(self.store, verified), rejected, tuple(accepted),
                            tuple(warnings))
+
+    def _continue_lineage(self, manifest: Manifest) -> list[list]:
+        """The timelines a run restored from ``manifest`` continues.
+
+        Resuming from the newest full generation continues its timeline.
+        Resuming from an older one (a fallback past a damaged latest, or an
+        explicit ``generation=``) forks: full generations above it then belong
+        to an abandoned timeline, which retention never counts as ancestors.
+        """
+        record = [list(e) for e in manifest.lineage] or [["legacy", None]]
+        update = manifest.next_update
+        newer = [n for n in self.store.generations() if (p := parse_generation_name(n)) and p[1] == "full"
+                 and p[0] > update]
+        if not newer:
+            return record
+        return record[:-1] + [[record[-1][0], update], [new_timeline(), None]]
 
     def _load(self, name: str, pointer: Pointer | None) -> tuple[Verified, dict[str, Any]]:
         """Verify a generation completely while decoding it; any defect is a CorruptGeneration."""

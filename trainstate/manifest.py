@@ -12,6 +12,7 @@ Parsing is strict: unknown versions, missing or mistyped fields are a
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -24,12 +25,14 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 POINTER = "latest"
 WEIGHTS_POINTER = "latest-weights"
+PINS = "pins"
 MAX_JSON_BYTES = 64 << 20
 KINDS = ("full", "weights")
 
 _GEN_RE = re.compile(r"gen-(\d{12})(-weights)?")
 _FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX_RE = re.compile(r"[0-9a-f]{16,128}")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def generation_name(next_update: int, kind: str = "full") -> str:
@@ -72,12 +75,16 @@ class Manifest:
     parent: str | None = None
     format_version: int = FORMAT_VERSION
     data: dict = field(default_factory=dict)  # data positions by component name; omitted when empty
+    metrics: dict = field(default_factory=dict)  # save(metrics=...): finite floats by name; omitted when empty
+    retention: dict = field(default_factory=dict)  # the policy in force when saved (read by `trainstate prune`)
+    lineage: list = field(default_factory=list)  # timelines: [[id, last update inherited or None], ...]
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
         data["files"] = [asdict(f) for f in self.files]
-        if not data["data"]:
-            del data["data"]
+        for optional in ("data", "metrics", "retention", "lineage"):
+            if not data[optional]:
+                del data[optional]
         data["self_digest"] = _self_digest(data, self.digest_algorithm)
         if key is not None:
             data["signature"] = key.sign(data)
@@ -167,9 +174,14 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         "format": str, "format_version": int, "generation": str, "kind": str, "next_update": int,
         "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
         "versions": dict, "parent": (str, type(None)), "self_digest": str,
-    }, {"signature": str, "data": dict})
+    }, {"signature": str, "data": dict, "metrics": dict, "retention": dict, "lineage": list})
     _check_common(where, raw, "trainstate")
     _check_data(where, raw.get("data", {}))
+    for name, value in raw.get("metrics", {}).items():
+        if not _NAME_RE.fullmatch(name) or type(value) is not float or not math.isfinite(value):
+            raise CorruptGeneration(where, f"invalid metric {name!r:.60}")
+    _check_retention(where, raw.get("retention", {}))
+    _check_lineage(where, raw.get("lineage", []), raw["next_update"])
     if raw["self_digest"] != _self_digest(raw, raw["digest_algorithm"]):
         raise CorruptGeneration(where, "content does not match its self-digest (the manifest was altered)")
     if key is not None:
@@ -209,6 +221,33 @@ def _check_data(where: str, data: dict) -> None:
             raise CorruptGeneration(where, f"malformed next-batch fingerprint in {name!r:.60}")
 
 
+_TIMELINE_RE = re.compile(r"[0-9a-f]{16}|legacy")
+
+
+def _check_lineage(where: str, lineage: list, next_update: int) -> None:
+    """``[[timeline, end], ...]``: every entry but the last ends at the update it was forked from."""
+    if len(lineage) > 4096:
+        raise CorruptGeneration(where, "lineage too long")
+    for i, entry in enumerate(lineage):
+        last = i == len(lineage) - 1
+        if (type(entry) is not list or len(entry) != 2 or type(entry[0]) is not str
+                or not _TIMELINE_RE.fullmatch(entry[0])
+                or (entry[1] is not None if last else (type(entry[1]) is not int or not 0 <= entry[1] <= next_update))):
+            raise CorruptGeneration(where, f"invalid lineage entry {i}")
+
+
+def _check_retention(where: str, policy: dict) -> None:
+    if not policy:
+        return
+    _check(where, policy, {"keep_last": int, "keep_last_weights": (int, type(None)),
+                           "milestone_every": (int, type(None)), "best": (list, type(None))})
+    counts = [policy[k] for k in ("keep_last", "keep_last_weights", "milestone_every") if policy[k] is not None]
+    best = policy["best"]
+    if any(c < 1 for c in counts) or (best is not None and (
+            len(best) != 2 or type(best[0]) is not str or not _NAME_RE.fullmatch(best[0]) or best[1] not in ("min", "max"))):
+        raise CorruptGeneration(where, "invalid retention policy")
+
+
 def parse_pointer(data: bytes, where: str, key: SigningKey | None = None) -> Pointer:
     """Parse and check a pointer; with ``key``, also require a valid signature."""
     raw = load_json(data, where)
@@ -226,3 +265,32 @@ def parse_pointer(data: bytes, where: str, key: SigningKey | None = None) -> Poi
         raise CorruptGeneration(where, "malformed manifest digest or size")
     del raw["format"]
     return Pointer(**raw)
+
+
+def check_name(kind: str, name: object) -> str:
+    """A pin or metric name: 1-64 of letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit."""
+    if type(name) is not str or not _NAME_RE.fullmatch(name):
+        raise ValueError(f"{kind} name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
+    return name
+
+
+def pins_to_bytes(pins: dict[str, str], key: SigningKey | None = None) -> bytes:
+    """The ``pins`` file: pin name -> generation name."""
+    data = {"format": "trainstate-pins", "format_version": FORMAT_VERSION, "pins": dict(sorted(pins.items()))}
+    if key is not None:
+        data["signature"] = key.sign(data)
+    return json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"
+
+
+def parse_pins(data: bytes, where: str, key: SigningKey | None = None) -> dict[str, str]:
+    raw = load_json(data, where)
+    _check(where, raw, {"format": str, "format_version": int, "pins": dict}, {"signature": str})
+    if key is not None:
+        key.check(raw, raw.get("signature"), where)
+    if raw["format"] != "trainstate-pins" or raw["format_version"] != FORMAT_VERSION:
+        raise CorruptGeneration(where, "not a trainstate pins file of this format version")
+    for name, generation in raw["pins"].items():
+        if not _NAME_RE.fullmatch(name) or type(generation) is not str or parse_generation_name(generation) is None:
+            raise CorruptGeneration(where, f"invalid pin {name!r:.60}")
+    return dict(raw["pins"])

@@ -1,43 +1,142 @@
-"""Which generations to keep: pure planning, no I/O.
+"""Which generations to keep, and why: pure planning, no I/O.
 
 Only names the library writes (``gen-<12 digits>[-weights]``) are ever
-considered; ordering is by parsed update number, never lexical.
+considered; anything else in the directory is not even listed. Ordering is
+by parsed update number, never lexical. Every generation gets a decision with
+its reasons, so a dry run can show exactly what a prune would do.
+
+A generation is kept when any rule keeps it:
+
+- it is the newest verified generation of its kind (the recovery point, for full ones);
+- it is newer than that (an interrupted or abandoned run: left for a human);
+- it is one of the last ``keep_last`` ancestors of the newest (by the manifests'
+  ``parent`` links; a full generation that is not an ancestor was skipped by
+  restore or belongs to an abandoned timeline, and is never pruned automatically);
+- its update is a multiple of ``milestone_every``;
+- it is pinned by name;
+- it is the best by the policy's metric.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from .manifest import parse_generation_name
 
 
 @dataclass(frozen=True)
-class Plan:
-    keep: tuple[str, ...]
-    prune: tuple[str, ...]
-    above_newest: tuple[str, ...]  # newer than what was just published: left alone
-    off_lineage: tuple[str, ...] = ()  # not ancestors of the newest: neither counted nor pruned
+class Retention:
+    """What a run directory keeps.
 
-
-def keep_last(names: list[str], *, newest: str, kind: str, keep: int,
-              lineage: Collection[str] | None = None) -> Plan:
-    """Keep ``newest`` and the ``keep - 1`` generations of ``kind`` just below it.
-
-    With ``lineage`` (the newest generation's ancestors, by the ``parent`` link
-    in each manifest), only ancestors are counted and pruned. A generation below
-    the newest that is not an ancestor was skipped by restore (damaged) or
-    belongs to an abandoned timeline: it never takes the slot of a restorable
-    generation, and it is never deleted automatically.
+    ``keep_last`` full generations along the newest one's lineage and
+    ``keep_last_weights`` weights-only ones (default: the same number);
+    full generations every ``milestone_every`` updates; pinned generations;
+    and, with ``best=("val_loss", "min")``, the generation whose
+    ``save(..., metrics=...)`` value is best. The best generation is an
+    evaluation artifact: restore still resumes from the latest.
     """
-    if keep < 1:
-        raise ValueError("keep must be at least 1")
-    top = parse_generation_name(newest)
-    if top is None or top[1] != kind:
-        raise ValueError(f"{newest!r} is not a {kind} generation name")
-    same_kind = sorted(((p[0], n) for n in names if (p := parse_generation_name(n)) and p[1] == kind), reverse=True)
-    above = tuple(n for u, n in same_kind if u > top[0])
-    below = [n for u, n in same_kind if u < top[0]]
-    ancestors = [n for n in below if lineage is None or n in lineage]
-    off = tuple(n for n in below if lineage is not None and n not in lineage)
-    return Plan((newest, *ancestors[: keep - 1]), tuple(ancestors[keep - 1:]), above, off)
+
+    keep_last: int = 3
+    keep_last_weights: int | None = None
+    milestone_every: int | None = None
+    best: tuple[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_last_weights", "milestone_every"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.keep_last is None:
+            raise ValueError("keep_last must be a positive int")
+        if self.best is not None:
+            if (not isinstance(self.best, tuple) or len(self.best) != 2 or type(self.best[0]) is not str
+                    or self.best[1] not in ("min", "max")):
+                raise ValueError(f"best must be (metric_name, 'min' | 'max'), got {self.best!r}")
+
+    def keep_for(self, kind: str) -> int:
+        return self.keep_last if kind == "full" or self.keep_last_weights is None else self.keep_last_weights
+
+
+@dataclass(frozen=True)
+class Decision:
+    generation: str
+    keep: bool
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    decisions: tuple[Decision, ...]  # newest first
+
+    @property
+    def keep(self) -> tuple[str, ...]:
+        return tuple(d.generation for d in self.decisions if d.keep)
+
+    @property
+    def prune(self) -> tuple[str, ...]:
+        return tuple(d.generation for d in self.decisions if not d.keep)
+
+    def reasons(self, generation: str) -> tuple[str, ...]:
+        return next(d.reasons for d in self.decisions if d.generation == generation)
+
+    def describe(self) -> str:
+        return "\n".join(f"{'keep ' if d.keep else 'prune'}  {d.generation}  {'; '.join(d.reasons)}"
+                         for d in self.decisions)
+
+
+def best_generation(metrics: Mapping[str, Mapping[str, float]], best: tuple[str, str] | None) -> str | None:
+    """The generation with the best value of ``best[0]``; ties go to the newest."""
+    if best is None:
+        return None
+    name, mode = best
+    scored = [(v[name], parse_generation_name(g)[0], g) for g, v in metrics.items()
+              if name in v and parse_generation_name(g) is not None]
+    if not scored:
+        return None
+    sign = 1 if mode == "min" else -1
+    return min(scored, key=lambda s: (sign * s[0], -s[1]))[2]
+
+
+def plan(names: Collection[str], *, policy: Retention, newest: Mapping[str, str | None],
+         lineage: Collection[str] | None = None, pins: Mapping[str, str] | None = None,
+         best: str | None = None) -> Plan:
+    """Decide every library generation in ``names``.
+
+    ``newest`` maps a kind (``"full"``, ``"weights"``) to the newest generation
+    of that kind that has verified (``None``: nothing of that kind is pruned).
+    ``lineage`` is the newest full generation and its ancestors; ``pins`` maps
+    pin names to generations; ``best`` is the best generation by the metric.
+    """
+    pinned: dict[str, list[str]] = {}
+    for pin, generation in (pins or {}).items():
+        pinned.setdefault(generation, []).append(pin)
+    parsed = sorted(((p[0], p[1], n) for n in names if (p := parse_generation_name(n))), reverse=True)
+    counted = {"full": 0, "weights": 0}
+    decisions = []
+    for update, kind, name in parsed:
+        reasons = []
+        anchor = newest.get(kind)
+        top = parse_generation_name(anchor) if anchor else None
+        if top is None:
+            reasons.append(f"no verified newest {kind} generation to anchor a prune")
+        elif name == anchor:
+            reasons.append("newest: the recovery point" if kind == "full" else "newest weights-only")
+        elif update > top[0]:
+            reasons.append(f"newer than the newest verified {kind} generation (interrupted or abandoned run)")
+        elif kind == "full" and lineage is not None and name not in lineage:
+            reasons.append("not an ancestor of the newest (skipped by restore, or an abandoned timeline)")
+        elif counted[kind] < policy.keep_for(kind) - 1:
+            reasons.append(f"last {policy.keep_for(kind)}")
+        if top is not None and name != anchor and update < top[0] and (
+                kind == "weights" or lineage is None or name in lineage):
+            counted[kind] += 1
+        if kind == "full" and policy.milestone_every and update % policy.milestone_every == 0:
+            reasons.append(f"milestone (every {policy.milestone_every} updates)")
+        if name in pinned:
+            reasons.append("pinned: " + ", ".join(sorted(pinned[name])))
+        if name == best and policy.best:
+            reasons.append(f"best {policy.best[0]} ({policy.best[1]})")
+        decisions.append(Decision(name, bool(reasons), tuple(reasons) or (
+            f"older than the last {policy.keep_for(kind)} {kind} generations",)))
+    return Plan(tuple(decisions))

@@ -75,6 +75,38 @@ def check_components(state: TrainState, saved: dict[str, Any], generation: str) 
                                 f"this run has a {_type_name(component)!r}")
         if isinstance(component, torch.nn.Module):
             _check_module(name, component, record["state"], generation)
+        elif isinstance(component, torch.optim.Optimizer):
+            _check_optimizer(name, component, record["state"], generation)
+
+
+# Per-parameter optimizer state shaped like the parameter (torch.optim's built-in optimizers).
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg",
+                           "acc_delta", "grad_avg", "ax", "prev", "step_size", "exp_inf", "mu_product_buf"})
+
+
+def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, saved: object, generation: str) -> None:
+    """Pair saved per-parameter state with the live parameters, as load_state_dict will, and check shapes.
+
+    ``load_state_dict`` checks only the number of groups and of parameters per
+    group: swapped groups of equal sizes load silently, each moment landing
+    on the wrong parameter. Shapes catch that.
+    """
+    if type(saved) is not dict or type(saved.get("param_groups")) is not list or type(saved.get("state")) is not dict:
+        raise StateMismatch(f"component {name!r} in {generation} is not an optimizer state dict")
+    groups, live = saved["param_groups"], optimizer.param_groups
+    sizes = [len(g.get("params", ())) if type(g) is dict else None for g in groups]
+    if sizes != [len(g["params"]) for g in live]:
+        raise StateMismatch(f"optimizer {name!r}: {generation} has parameter groups of sizes {sizes}, this run has "
+                            f"{[len(g['params']) for g in live]}; build the optimizer with the same groups in order")
+    for g, (saved_group, live_group) in enumerate(zip(groups, live)):
+        for j, (pid, param) in enumerate(zip(saved_group["params"], live_group["params"])):
+            entry = saved["state"].get(pid)
+            for key, value in (entry.items() if type(entry) is dict else ()):
+                if key in _PARAM_SHAPED and isinstance(value, torch.Tensor) and value.shape != param.shape:
+                    raise StateMismatch(
+                        f"optimizer {name!r}: group {g} parameter {j} has {key} of shape {tuple(value.shape)} in "
+                        f"{generation}, but the live parameter is {tuple(param.shape)}: parameter groups are "
+                        "in another order or hold other parameters")
 
 
 def _check_module(name: str, module: torch.nn.Module, saved: object, generation: str) -> None:
@@ -94,11 +126,13 @@ def _check_module(name: str, module: torch.nn.Module, saved: object, generation:
                                 f"this run has {tuple(tensor.shape)} {tensor.dtype}")
 
 
-def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool = False) -> list[str]:
+def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool = False,
+          apply_rng: bool = True) -> list[str]:
     """Load a decoded, verified, contract-checked payload into the live state.
 
     Returns warnings. Order: components (registration order), gradients,
-    clocks, and RNG last.
+    clocks, and RNG last. With ``apply_rng=False`` the RNG record is
+    validated but no generator changes (a rehearsal in a live process).
     """
     rng_saved = payload.get("rng", {})
     warnings = rng_mod.validate(rng_saved, state.rngs, statistical_cuda=statistical_cuda)  # before anything loads
@@ -126,7 +160,8 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     state.counters = dict(payload["counters"])
     state.facts = payload["facts"]
     state.history = list(payload["history"])
-    rng_mod.apply_validated(rng_saved, state.rngs, restore_cuda=not warnings)
+    if apply_rng:
+        rng_mod.apply_validated(rng_saved, state.rngs, restore_cuda=not warnings)
     return warnings
 
 

@@ -12,7 +12,8 @@ from .grads import GradientTracker
 from .rng import Generator, check_generator
 
 RESERVED = frozenset({"rngs", "contract", "capture_global_rngs"})
-_ATTRIBUTES = frozenset({"components", "next_update", "tokens_seen", "counters", "facts", "history", "pending_gradients"})
+_ATTRIBUTES = frozenset({"components", "next_update", "tokens_seen", "counters", "facts", "history", "pending_gradients",
+                         "parent", "lineage"})
 
 
 class TrainState:
@@ -59,6 +60,7 @@ class TrainState:
         self.facts: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         self.parent: str | None = None  # the generation this state was last restored from or saved as
+        self.lineage: list[list] | None = None  # timelines this run descends from (see lifecycle.ancestors)
         self._grads = GradientTracker(
             [c for c in components.values() if isinstance(c, torch.optim.Optimizer)],
             [c for c in components.values() if isinstance(c, torch.amp.GradScaler)])

@@ -20,6 +20,7 @@ Call order for one save, and who calls each step (the manager, always):
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol
 
 from .manifest import FileRecord
@@ -74,3 +75,9 @@ class Store(Protocol):
         """Take the single-writer lock, or raise ``DirectoryLocked``."""
 
     def unlock(self) -> None: ...
+
+    def exclusive(self, name: str) -> AbstractContextManager[None]:
+        """A short cross-process mutex, held while pins are changed or a prune runs."""
+
+    def free_bytes(self) -> int | None:
+        """Space available for new generations, or ``None`` when unknown (the preflight is then skipped)."""

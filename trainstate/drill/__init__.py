@@ -19,6 +19,13 @@ shell all run the same thing:
       saved <n>             right after it returns
       done <n>
 
+  With ``--loader-workers W`` the batches come from a ``ts.ResumableLoader``
+  (component ``loader``; ``W`` forked DataLoader workers, persistent,
+  prefetching; per-sample augmentation from ``ts.sample_generator``), and
+  the worker appends the sample ids of every update to
+  ``D/consumed_ids.log``, which :func:`compare_runs` checks too (see
+  :class:`ConsumedIds` for how kills and redone updates are resolved).
+
 * the parent (:func:`run_reference`, :func:`run_interrupted`,
   :func:`compare_runs`) runs one uninterrupted reference and one run that is
   SIGKILLed repeatedly, some kills at random moments and some just after a
@@ -33,39 +40,50 @@ processes that build everything and restore from disk after they start.
 
 from __future__ import annotations
 
-from .worker import DRAWS_FILE, DrillConfig, DrillError, FORGET_CHOICES, IN_FEATURES, OUT_FEATURES, build, build_model, next_draws, probe, train_step, worker_main
-from .launch import Spawner, Zygote, worker_args, worker_env, zygote_main
+from .worker import DRAWS_FILE, IDS_LOG, LOADER_LOG, DrillConfig, DrillError, FORGET_CHOICES, IN_FEATURES, IdsLog, OUT_FEATURES, SyntheticDataset, build, build_loader, build_model, dataset_size, next_draws, probe, train_step, worker_main
+from .launch import Spawner, Zygote, processes_holding, wait_for_exit, worker_args, worker_env, zygote_main
 from .driver import DrillReport, KillPlan, RESTORE_WINDOW_S, Start, Timing, check_visible, expected_restore, plan_kills, run_interrupted, run_reference
-from .compare import Comparison, compare_runs, compare_values, describe_compared
+from .compare import Comparison, ConsumedIds, compare_consumed, compare_runs, compare_values, describe_compared, read_consumed_ids
 
 __all__ = [
     'Comparison',
+    'ConsumedIds',
     'DRAWS_FILE',
     'DrillConfig',
     'DrillError',
     'DrillReport',
     'FORGET_CHOICES',
+    'IDS_LOG',
     'IN_FEATURES',
+    'IdsLog',
     'KillPlan',
+    'LOADER_LOG',
     'OUT_FEATURES',
     'RESTORE_WINDOW_S',
     'Spawner',
     'Start',
+    'SyntheticDataset',
     'Timing',
     'Zygote',
     'build',
+    'build_loader',
     'build_model',
     'check_visible',
+    'compare_consumed',
     'compare_runs',
     'compare_values',
+    'dataset_size',
     'describe_compared',
     'expected_restore',
     'next_draws',
     'plan_kills',
+    'processes_holding',
     'probe',
+    'read_consumed_ids',
     'run_interrupted',
     'run_reference',
     'train_step',
+    'wait_for_exit',
     'worker_args',
     'worker_env',
     'worker_main',

@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=DrillConfig.width)
     p.add_argument("--batch", type=int, default=DrillConfig.batch)
+    p.add_argument("--loader-workers", type=int, default=None, metavar="W",
+                   help="take batches from a ResumableLoader with W DataLoader worker processes (0: in-process) "
+                        "and log the consumed sample ids; without it, no loader (batches from a generator)")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--wait-for-go", action="store_true", help="after building, wait for 'go' on stdin")
     p.add_argument("--forget", choices=FORGET_CHOICES, default=None,

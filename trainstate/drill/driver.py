@@ -4,6 +4,7 @@ and the checks made after every kill.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -13,8 +14,8 @@ from ..errors import TrainStateError
 from ..localfs import LocalStore
 from ..manifest import POINTER, generation_name, parse_generation_name, parse_pointer
 from ..verify import verify_generation
-from .worker import DrillConfig, DrillError
-from .launch import Spawner, _Child, _Pool, _TIMEOUT, worker_args
+from .worker import IDS_LOG, LOADER_LOG, DrillConfig, DrillError
+from .launch import Spawner, _Child, _Pool, _TIMEOUT, processes_holding, wait_for_exit, worker_args
 
 
 # parent: the drill -------------------------------------------------------------
@@ -71,6 +72,7 @@ class Start:
     landed: str = ""  # where the kill landed
     during_save: bool = False
     exit_code: int | None = None
+    loader_orphans: int = 0  # with a loader: its DataLoader workers still alive right after the kill
 
 
 @dataclass
@@ -81,6 +83,8 @@ class DrillReport:
     finished: bool = False
     verified_after_kills: int = 0  # generation verifications done after kills
     wall_s: float = 0.0
+    ids_log: str | None = None  # with a loader: its consumed-ids log, held open by its processes
+    loader_workers: int = 0  # with a loader: DataLoader worker processes started (recorded in LOADER_LOG)
 
     @property
     def kills(self) -> int:
@@ -93,6 +97,10 @@ class DrillReport:
     @property
     def resumes(self) -> int:
         return sum(s.restored is not None for s in self.starts)
+
+    @property
+    def loader_orphans(self) -> int:
+        return sum(s.loader_orphans for s in self.starts)
 
 
 def run_reference(cfg: DrillConfig, directory: Path, *, launcher: Spawner | None = None,
@@ -135,17 +143,23 @@ def _require_empty(directory: Path) -> None:
 def run_interrupted(cfg: DrillConfig, directory: Path, *, kills: int, seed: int,
                     timing: Timing | Callable[[], Timing], plans: list[KillPlan] | None = None,
                     forget: str | None = None, launcher: Spawner | None = None, spares: int = 1,
-                    log: Callable[[str], None] | None = None, start_timeout_s: float = 300.0) -> DrillReport:
+                    log: Callable[[str], None] | None = None, start_timeout_s: float = 300.0,
+                    stray_timeout_s: float | None = None) -> DrillReport:
     """Start the worker until it finishes on its own, SIGKILLing the first ``kills`` starts.
 
     ``timing`` may be a callable (say, one that runs the reference): it is
     called after the first workers have been spawned, so their start-up
-    overlaps it.
+    overlaps it. With a loader, ``stray_timeout_s`` waits that long at the
+    end for every DataLoader worker of the run to be gone (torch's workers
+    notice a dead parent within about 5 s) and reports any left as a problem;
+    without it, ``report.ids_log`` lets the caller check later
+    (:func:`~trainstate.drill.launch.wait_for_exit`).
     """
     _require_empty(directory)
     plans = plans if plans is not None else plan_kills(random.Random(seed), kills)
     report = DrillReport(seed)
     store = LocalStore(directory)
+    report.ids_log = None if cfg.loader_workers is None else os.path.realpath(directory / IDS_LOG)
     pool = _Pool(launcher or Spawner(), worker_args(cfg, directory, forget), spares, starts=len(plans) + 1)
     try:
         timing = timing() if callable(timing) else timing
@@ -172,9 +186,22 @@ def run_interrupted(cfg: DrillConfig, directory: Path, *, kills: int, seed: int,
     finally:
         pool.close()
     report.wall_s = time.monotonic() - began
+    if report.ids_log is not None:
+        report.loader_workers = _count_loader_workers(directory / LOADER_LOG)
+        if stray_timeout_s is not None:
+            for pid in wait_for_exit({report.ids_log}, stray_timeout_s).get(report.ids_log, []):
+                report.problems.append(f"DataLoader worker {pid} is still alive {stray_timeout_s:.0f} s after "
+                                       "the run ended: it outlived its SIGKILLed parent")
     if log and report.starts and report.finished:
         log(_describe_start(report.starts[-1]))
     return report
+
+
+def _count_loader_workers(path: Path) -> int:
+    try:
+        return sum(line.startswith("worker ") for line in path.read_text(errors="replace").splitlines())
+    except FileNotFoundError:
+        return 0
 
 
 def _run_start(child: _Child, start: Start, share: float, cfg: DrillConfig, timing: Timing, limit_s: float) -> None:
@@ -190,6 +217,8 @@ def _run_start(child: _Child, start: Start, share: float, cfg: DrillConfig, timi
 def _after_kill(start: Start, child: _Child, store: LocalStore, leftovers: set[str], report: DrillReport) -> str | None:
     """Record where the kill landed, check what is visible, and predict what the next start restores."""
     start.landed, start.during_save = _landed(child.lines, store, leftovers)
+    if report.ids_log is not None:  # orphans of this kill (and of earlier ones not yet gone)
+        start.loader_orphans = len(processes_holding({report.ids_log}).get(report.ids_log, []))
     report.problems += check_visible(store)
     report.verified_after_kills += len(store.generations())
     return expected_restore(store)

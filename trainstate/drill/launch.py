@@ -37,6 +37,47 @@ def worker_args(cfg: DrillConfig, directory: Path, forget: str | None = None) ->
     return ["worker", "--dir", str(directory), *cfg.argv(), "--wait-for-go"] + (["--forget", forget] if forget else [])
 
 
+def processes_holding(paths: set[str]) -> dict[str, list[int]]:
+    """The processes with one of ``paths`` open, by path (also once the file was deleted); empty without /proc.
+
+    A drill worker with a loader opens its run's consumed-ids log before its
+    DataLoader forks, and keeps it open; the DataLoader workers inherit it
+    (torch renames them, but closes no descriptor), even ones whose parent
+    was killed before they ran a line. An exited process holds nothing.
+    """
+    wanted = {os.path.realpath(p) for p in paths}
+    found: dict[str, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue  # gone meanwhile, or not ours to see
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            target = target.removesuffix(" (deleted)")
+            if target in wanted:
+                found.setdefault(target, []).append(int(entry))
+                break
+    return found
+
+
+def wait_for_exit(paths: set[str], timeout_s: float) -> dict[str, list[int]]:
+    """Wait until no process holds one of ``paths``; those still holding one after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := processes_holding(paths)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
 class Spawner:
     """Starts every worker as a fresh interpreter, ``sys.executable -m trainstate.drill worker``.
 

@@ -1,0 +1,91 @@
+"""How often to checkpoint: the Young and Daly models, pure arithmetic.
+
+A run that fails on average every ``M`` seconds and spends ``C`` seconds
+blocked per checkpoint loses, per failure, the work since the last
+checkpoint plus the restart, and pays ``C`` per checkpoint in between. Young
+(1974) gave the first-order optimum interval ``T* = sqrt(2 C M)``; Daly (2006)
+the higher-order form used here (with restart time ``R`` in the expected
+wall time). These are models of exponentially distributed failures, not a
+service-level promise: real failures cluster, and a preemption notice (see
+:mod:`trainstate.preemption`) beats any interval.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _check(save_cost: float, mtbf: float) -> None:
+    if not (math.isfinite(save_cost) and save_cost > 0):
+        raise ValueError(f"save cost must be a positive number of seconds, got {save_cost!r}")
+    if not (math.isfinite(mtbf) and mtbf > 0):
+        raise ValueError(f"MTBF must be a positive number of seconds, got {mtbf!r}")
+
+
+def young_interval(save_cost: float, mtbf: float) -> float:
+    """Young's optimum compute time between checkpoints: ``sqrt(2 C M)`` seconds."""
+    _check(save_cost, mtbf)
+    return math.sqrt(2 * save_cost * mtbf)
+
+
+def daly_interval(save_cost: float, mtbf: float) -> float:
+    """Daly's higher-order optimum compute time between checkpoints, in seconds.
+
+    ``sqrt(2CM) * (1 + sqrt(C/2M)/3 + (C/2M)/9) - C`` while ``C < 2M``,
+    else ``M``.
+    """
+    _check(save_cost, mtbf)
+    if save_cost >= 2 * mtbf:
+        return mtbf
+    ratio = save_cost / (2 * mtbf)
+    return math.sqrt(2 * save_cost * mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - save_cost
+
+
+def expected_overhead(interval: float, save_cost: float, mtbf: float, restart: float = 0.0) -> float:
+    """Expected wall time over failure-free compute time, minus one, under Daly's model.
+
+    With exponentially distributed failures, a segment of ``interval``
+    seconds of work plus ``save_cost`` completes in expected time
+    ``M e^(R/M) (e^((T+C)/M) - 1)``; the fraction returned is what
+    checkpointing, lost work and restarts add to the run.
+    """
+    _check(save_cost, mtbf)
+    if not (math.isfinite(interval) and interval > 0) or restart < 0:
+        raise ValueError("interval must be positive and restart non-negative")
+    segment = mtbf * math.exp(restart / mtbf) * math.expm1((interval + save_cost) / mtbf)
+    return segment / interval - 1
+
+
+@dataclass(frozen=True)
+class Advice:
+    """A recommended checkpoint interval, in seconds and in updates."""
+
+    save_cost_s: float
+    mtbf_s: float
+    step_time_s: float
+    young_s: float
+    daly_s: float
+    young_updates: int
+    daly_updates: int
+    overhead_young: float  # expected fraction added to the run at Young's interval
+    overhead_daly: float
+
+    def describe(self) -> str:
+        return (f"save cost {self.save_cost_s:.3g} s, MTBF {self.mtbf_s:.6g} s, update {self.step_time_s:.3g} s\n"
+                f"Young: every {self.young_s:.1f} s = {self.young_updates} updates "
+                f"(expected overhead {self.overhead_young:.2%})\n"
+                f"Daly:  every {self.daly_s:.1f} s = {self.daly_updates} updates "
+                f"(expected overhead {self.overhead_daly:.2%})\n"
+                "A model of exponentially distributed failures, not a guarantee.")
+
+
+def advise(save_cost: float, mtbf: float, step_time: float, restart: float = 0.0) -> Advice:
+    """Young's and Daly's intervals for a measured save cost and update time (all in seconds)."""
+    if not (math.isfinite(step_time) and step_time > 0):
+        raise ValueError(f"step time must be a positive number of seconds, got {step_time!r}")
+    young, daly = young_interval(save_cost, mtbf), daly_interval(save_cost, mtbf)
+    y_updates, d_updates = max(1, round(young / step_time)), max(1, round(daly / step_time))
+    return Advice(save_cost, mtbf, step_time, young, daly, y_updates, d_updates,
+                  expected_overhead(y_updates * step_time, save_cost, mtbf, restart),
+                  expected_overhead(d_updates * step_time, save_cost, mtbf, restart))

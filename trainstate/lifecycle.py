@@ -1,0 +1,147 @@
+"""The generation lifecycle on disk: pins, anchors, metrics, lineage and pruning.
+
+This is the I/O around :mod:`trainstate.retention` (which decides). Pruning
+runs under the pins lock, so ``trainstate pin`` from another shell can never
+race a prune into deleting what it just pinned; it only removes what the plan
+marks, and only generations the library wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping
+
+from .errors import CorruptGeneration
+from .manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, parse_generation_name, parse_pins,
+                       parse_pointer, pins_to_bytes)
+from .retention import Plan, Retention, best_generation, plan
+from .signing import SigningKey
+from .storage import Store
+from .verify import read_manifest, verify_generation
+
+log = logging.getLogger("trainstate")
+
+
+def new_timeline() -> str:
+    """A fresh timeline id: a run's first save, or a resume from an older generation, starts one."""
+    return secrets.token_hex(8)
+
+
+class Lifecycle:
+    """Reads and changes what a run directory keeps."""
+
+    def __init__(self, store: Store, key: SigningKey | None = None):
+        self.store = store
+        self.key = key
+
+    # pins --------------------------------------------------------------------
+    def pins(self) -> dict[str, str]:
+        """Pin name -> generation. A damaged pins file raises: pruning then stops rather than guess."""
+        data = self.store.read_pointer(PINS)
+        return {} if data is None else parse_pins(data, PINS, self.key)
+
+    def pin(self, name: str, generation: str) -> None:
+        """Pin ``generation`` (which must exist and verify) under ``name``; replaces a pin of that name."""
+        check_name("pin", name)
+        if parse_generation_name(generation) is None:
+            raise ValueError(f"{generation!r} is not a generation name (gen-<12 digits>[-weights])")
+        with self.store.exclusive("pins"):
+            if generation not in self.store.generations():
+                raise FileNotFoundError(f"no generation {generation} in {self.store.location}")
+            verify_generation(self.store, generation, content=False, key=self.key)
+            pins = self.pins()
+            pins[name] = generation
+            self.store.write_pointer(PINS, pins_to_bytes(pins, self.key))
+
+    def unpin(self, name: str) -> str:
+        """Remove a pin; returns the generation it named. The generation stays until a prune."""
+        check_name("pin", name)
+        with self.store.exclusive("pins"):
+            pins = self.pins()
+            if name not in pins:
+                raise KeyError(f"no pin named {name!r} in {self.store.location} (pins: {sorted(pins)})")
+            generation = pins.pop(name)
+            self.store.write_pointer(PINS, pins_to_bytes(pins, self.key))
+            return generation
+
+    # what the plan needs -----------------------------------------------------
+    def anchors(self) -> dict[str, str | None]:
+        """For each kind, the generation its pointer names, if that generation verifies (structure)."""
+        out: dict[str, str | None] = {}
+        for kind, pointer_name in (("full", POINTER), ("weights", WEIGHTS_POINTER)):
+            out[kind] = None
+            try:
+                data = self.store.read_pointer(pointer_name)
+                if data is None:
+                    continue
+                pointer = parse_pointer(data, pointer_name, self.key)
+                verify_generation(self.store, pointer.generation, pointer, content=False, key=self.key)
+            except CorruptGeneration:
+                continue
+            if pointer.kind == kind:
+                out[kind] = pointer.generation
+        return out
+
+    def manifests(self, names: list[str]) -> dict[str, Manifest]:
+        """Every readable manifest among ``names`` (damaged ones are left out)."""
+        out = {}
+        for name in names:
+            try:
+                out[name] = read_manifest(self.store, name, key=self.key)[0]
+            except CorruptGeneration:
+                continue
+        return out
+
+    @staticmethod
+    def lineage(newest: str | None, manifests: Mapping[str, Manifest]) -> set[str]:
+        """``newest`` and every full generation that is one of its ancestors.
+
+        Each manifest records its timelines (``[[id, end], ...]``, a new one
+        at each fork); a generation is an ancestor when its own timeline
+        appears in the newest's record and its update is within that
+        timeline's inherited range. This survives pruning, unlike a walk of
+        ``parent`` links. Generations written before lineage records existed
+        fall back to that walk.
+        """
+        top = manifests.get(newest) if newest else None
+        if top is None:
+            return set()
+        if not top.lineage:
+            lineage, name = set(), newest
+            while name in manifests and name not in lineage:
+                lineage.add(name)
+                name = manifests[name].parent
+            return lineage
+        ranges = [(timeline, end) for timeline, end in top.lineage]
+        out = {newest}
+        for name, manifest in manifests.items():
+            if manifest.kind != "full" or manifest.next_update > top.next_update:
+                continue
+            own = manifest.lineage[-1][0] if manifest.lineage else "legacy"
+            if any(own == t and (end is None or manifest.next_update <= end) for t, end in ranges):
+                out.add(name)
+        return out
+
+    def plan(self, policy: Retention, anchors: Mapping[str, str | None] | None = None) -> Plan:
+        """The retention plan for the directory as it is now (no changes)."""
+        names = self.store.generations()
+        anchors = dict(self.anchors() if anchors is None else anchors)
+        manifests = self.manifests(names)
+        best = best_generation({n: m.metrics for n, m in manifests.items()}, policy.best)
+        return plan(names, policy=policy, newest=anchors, lineage=self.lineage(anchors.get("full"), manifests),
+                    pins=self.pins(), best=best)
+
+    def prune(self, policy: Retention, anchors: Mapping[str, str | None] | None = None, *,
+              dry_run: bool = False) -> Plan:
+        """Remove what the plan prunes (nothing with ``dry_run``); returns the plan."""
+        with self.store.exclusive("pins"):
+            decided = self.plan(policy, anchors)
+            for decision in decided.decisions:
+                if decision.keep and any(r.startswith("not an ancestor") or r.startswith("newer than")
+                                         for r in decision.reasons) and not dry_run:
+                    log.warning("kept %s: %s", decision.generation, "; ".join(decision.reasons))
+            if not dry_run:
+                for name in decided.prune:
+                    self.store.remove(name)
+        return decided

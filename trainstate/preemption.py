@@ -1,0 +1,99 @@
+"""Save at the next update boundary when the scheduler says the job is about to die.
+
+SLURM (``--signal``), Kubernetes (pod termination) and most cloud spot
+services send SIGTERM (some SIGUSR1) some seconds before the kill. The
+handler only sets a flag; the training loop checks it at an update boundary,
+where the state is consistent, saves a full generation and exits with
+:data:`EXIT_PREEMPTED` so the supervisor knows to requeue::
+
+    with ts.PreemptionHandler(grace_s=60) as preempt:
+        while state.next_update < total_updates:
+            train_one_update()
+            state.next_update += 1
+            if preempt.requested:
+                ckpt.save(state)
+                preempt.exit()            # SystemExit(EXIT_PREEMPTED)
+
+A second signal, or the grace deadline passing before the loop reaches a
+boundary, restores the signal's default action and re-delivers it: the
+process dies at once. That is safe: a save cut short leaves only an
+invisible staging directory, and the previous generation stays the latest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("trainstate")
+
+EXIT_PREEMPTED = 75
+"""Exit status after a preemption save (EX_TEMPFAIL: a temporary failure, retry the job)."""
+
+
+class PreemptionHandler:
+    """Turn SIGTERM/SIGUSR1 into a flag checked at update boundaries (a context manager).
+
+    ``signals``: which signals mean "preempted". ``grace_s``: seconds after
+    the first signal before falling back to the default action (``None``:
+    wait for the loop forever; the scheduler's own kill still comes). Only the
+    main thread may install signal handlers. Previous handlers come back on exit.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1), grace_s: float | None = None):
+        if grace_s is not None and not grace_s > 0:
+            raise ValueError(f"grace_s must be positive or None, got {grace_s!r}")
+        self.signals = tuple(signals)
+        self.grace_s = grace_s
+        self.received: int | None = None
+        self.received_at: float | None = None
+        self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        """True once a preemption signal arrived: save at this boundary, then :meth:`exit`."""
+        return self.received is not None
+
+    def __enter__(self) -> PreemptionHandler:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            log.warning("second %s: terminating now; the last published generation stays the latest",
+                        signal.Signals(signum).name)
+            self._die(signum)
+        self.received, self.received_at = signum, time.monotonic()
+        log.warning("%s received: will save at the next update boundary and exit with status %d",
+                    signal.Signals(signum).name, EXIT_PREEMPTED)
+        if self.grace_s is not None:
+            self._timer = threading.Timer(self.grace_s, self._deadline, (signum,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _deadline(self, signum: int) -> None:
+        log.warning("no update boundary within the %.0f s grace period: terminating without saving", self.grace_s)
+        self._die(signum)
+
+    @staticmethod
+    def _die(signum: int) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def exit(self) -> None:
+        """Leave with :data:`EXIT_PREEMPTED` (raises ``SystemExit``, so ``with`` blocks unwind and close)."""
+        raise SystemExit(EXIT_PREEMPTED)
