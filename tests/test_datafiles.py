@@ -219,9 +219,8 @@ def test_changed_file_after_save_refuses_restore_naming_the_file(tmp_path, data,
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))
     live = _state(ts.data_manifest(data, mode=mode))
     weights = {k: v.clone() for k, v in live["model"].state_dict().items()}
-    with ts.CheckpointManager(tmp_path / "run") as ckpt:
-        with pytest.raises(ts.ContractMismatch) as caught:
-            ckpt.restore(live)
+    with ts.CheckpointManager(tmp_path / "run") as ckpt, pytest.raises(ts.ContractMismatch) as caught:
+        ckpt.restore(live)
     message = str(caught.value)
     assert "data.files.train/deep/er/shard-2.bin" in message
     assert [c.field for c in caught.value.changes] == ["data.digest", "data.files.train/deep/er/shard-2.bin"]
@@ -251,9 +250,8 @@ def test_added_and_removed_files_are_named(tmp_path, data):
         ckpt.save(saved)
     (data / "train/shard-1.bin").unlink()
     (data / "train/shard-9.bin").write_bytes(b"new")
-    with ts.CheckpointManager(tmp_path / "run") as ckpt:
-        with pytest.raises(ts.ContractMismatch) as caught:
-            ckpt.restore(_state(ts.data_manifest(data, mode="fast")))
+    with ts.CheckpointManager(tmp_path / "run") as ckpt, pytest.raises(ts.ContractMismatch) as caught:
+        ckpt.restore(_state(ts.data_manifest(data, mode="fast")))
     message = str(caught.value)
     assert "data.files.train/shard-1.bin: checkpoint has" in message and "this run has '<absent>'" in message
     assert "data.files.train/shard-9.bin: checkpoint has '<absent>'" in message
@@ -267,7 +265,6 @@ def test_files_false_contract_names_only_the_aggregate(tmp_path, data):
     with ts.CheckpointManager(tmp_path / "run") as ckpt:
         ckpt.save(saved)
     (data / "labels.json").write_bytes(b'{"cat": 1, "dog": 0}')  # same size
-    with ts.CheckpointManager(tmp_path / "run") as ckpt:
-        with pytest.raises(ts.ContractMismatch) as caught:
-            ckpt.restore(_state(ts.data_manifest(data, files=False)))
+    with ts.CheckpointManager(tmp_path / "run") as ckpt, pytest.raises(ts.ContractMismatch) as caught:
+        ckpt.restore(_state(ts.data_manifest(data, files=False)))
     assert [c.field for c in caught.value.changes] == ["data.digest"]

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer import assert_same, differs
 
 import trainstate as ts
-from trainer import assert_same, differs
 
 TOTAL, EVERY = 14, 4
 TRAIN_N, VAL_N = 48, 20
@@ -229,22 +229,6 @@ def test_repeated_isolated_evaluations_agree():
 
 # evaluating() ---------------------------------------------------------------
 
-def _snapshot_rngs(named: dict | None = None):
-    named = named or {}
-    return (random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state(),
-            {k: ts_rng_state(g) for k, g in named.items()})
-
-
-def ts_rng_state(generator):
-    if isinstance(generator, torch.Generator):
-        return generator.get_state()
-    if isinstance(generator, np.random.Generator):
-        return generator.bit_generator.state
-    if isinstance(generator, np.random.RandomState):
-        return generator.get_state(legacy=False)
-    return generator.getstate()
-
-
 def _draw(named: dict | None = None) -> list:
     out = [random.random(), float(np.random.rand()), torch.rand(2)]
     for g in (named or {}).values():
@@ -300,28 +284,28 @@ def test_evaluating_restores_modes_and_rng_when_the_block_raises(target):
     class Boom(Exception):
         pass
 
-    with pytest.raises(Boom):
-        with ts.evaluating(state if target == "state" else [model, other]):
-            _draw()
-            model(torch.randn(4, 6))
-            model.train()  # even a mode change inside the block is undone
-            other.train()
-            raise Boom
+    with pytest.raises(Boom), ts.evaluating(state if target == "state" else [model, other]):
+        _draw()
+        model(torch.randn(4, 6))
+        model.train()  # even a mode change inside the block is undone
+        raise Boom
     assert _modes(model) == before_modes
-    assert other.training
+    assert other.training  # put in eval mode by the "modules" form, and back
     assert torch.is_grad_enabled()
     assert _same_draws(_draw(), expected)
 
 
+def _named() -> dict:
+    return {"torch": torch.Generator().manual_seed(1), "numpy": np.random.default_rng(2),
+            "legacy": np.random.RandomState(3), "python": random.Random(4)}
+
+
 def test_evaluating_restores_named_generators_in_state():
-    named = {"torch": torch.Generator().manual_seed(1), "numpy": np.random.default_rng(2),
-             "legacy": np.random.RandomState(3), "python": random.Random(4)}
+    _seed_globals(5)
+    expected = _draw(_named())
+    named = _named()
     state = ts.TrainState(model=_model(), rngs=named)
     _seed_globals(5)
-    before = _snapshot_rngs(named)
-    expected = _draw(named)
-    # put everything back to `before` by hand to get the same starting point
-    _restore_by_hand(before, named)
     with ts.evaluating(state):
         _draw(named)
         _draw(named)
@@ -361,25 +345,8 @@ def test_nested_evaluating_restores_each_level():
 
 
 def test_evaluating_rejects_a_non_generator():
-    with pytest.raises(TypeError, match="rngs\\['bad'\\]"):
-        with ts.evaluating([], rngs={"bad": 42}):
-            pass
-
-
-def _restore_by_hand(saved, named) -> None:
-    random.setstate(saved[0])
-    np.random.set_state(saved[1])
-    torch.set_rng_state(saved[2])
-    for k, g in named.items():
-        state = saved[3][k]
-        if isinstance(g, torch.Generator):
-            g.set_state(state)
-        elif isinstance(g, np.random.Generator):
-            g.bit_generator.state = state
-        elif isinstance(g, np.random.RandomState):
-            g.set_state(state)
-        else:
-            g.setstate(state)
+    with pytest.raises(TypeError, match="rngs\\['bad'\\]"), ts.evaluating([], rngs={"bad": 42}):
+        pass
 
 
 # replay() -------------------------------------------------------------------
@@ -439,7 +406,7 @@ def test_replay_with_workers_repeats_per_sample_draws(persistent):
 
 
 def test_replay_of_validation_loader_leaves_training_loader_alone():
-    state, train_loader, val_loader = _setup()
+    _, train_loader, val_loader = _setup()
     iterator = iter(train_loader)
     next(iterator)
     position = train_loader.state_dict()

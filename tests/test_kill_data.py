@@ -31,9 +31,22 @@ from pathlib import Path
 
 import pytest
 
-from trainstate.drill import (IDS_LOG, Comparison, DrillConfig, DrillReport, IdsLog, KillPlan, Timing, Zygote,
-                              compare_runs, dataset_size, read_consumed_ids, run_interrupted, run_reference,
-                              wait_for_exit)
+from trainstate.drill import (
+    IDS_LOG,
+    Comparison,
+    DrillConfig,
+    DrillReport,
+    IdsLog,
+    KillPlan,
+    Timing,
+    Zygote,
+    compare_runs,
+    dataset_size,
+    read_consumed_ids,
+    run_interrupted,
+    run_reference,
+    wait_for_exit,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -202,8 +202,8 @@ def test_shuffled_shards_split_like_distributed_sampler(n, world, uneven, seed, 
     ({"uneven": "wrap"}, "uneven must be 'pad' or 'drop'"),
 ])
 def test_plan_rejects_bad_values(kwargs, message):
-    base = dict(dataset_len=10, batch_size=2, seed=0, shuffle=True, drop_last=False, rank=0, world_size=1,
-                uneven="pad")
+    base = {"dataset_len": 10, "batch_size": 2, "seed": 0, "shuffle": True, "drop_last": False, "rank": 0,
+            "world_size": 1, "uneven": "pad"}
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         Plan(**{**base, **kwargs})
 

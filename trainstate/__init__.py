@@ -19,6 +19,7 @@ exactly as if it had never stopped::
 
 __version__ = "0.1.0"
 
+from .asyncsave import AsyncSaveFailed, SaveHandle
 from .contract import fingerprint
 from .datafiles import data_manifest
 from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
@@ -36,6 +37,7 @@ from .state import TrainState
 from .warmstart import warm_start
 
 __all__ = [
+    "AsyncSaveFailed",
     "Cadence",
     "CheckpointManager",
     "ContinuationWarning",
@@ -57,6 +59,7 @@ __all__ = [
     "ResumableLoader",
     "Retention",
     "SampleIndex",
+    "SaveHandle",
     "SigningKey",
     "StateMismatch",
     "Status",

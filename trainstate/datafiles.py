@@ -23,6 +23,9 @@ from .digest import digest_stream, new_hasher
 def _files(paths: Iterable[str | os.PathLike]) -> list[tuple[str, Path]]:
     found: list[tuple[str, Path]] = []
     for root in paths:
+        if os.fspath(root) in ("", b""):
+            raise ValueError("data_manifest: an empty path was given (an unset setting?); "
+                             "pass '.' to fingerprint the current directory")
         root = Path(root)
         if root.is_file():
             found.append((root.name, root))
@@ -57,16 +60,23 @@ def data_manifest(paths: str | os.PathLike | Iterable[str | os.PathLike], *, mod
         raise ValueError(f"mode must be 'full' or 'fast', got {mode!r}")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    paths = list(paths)
+    if not paths:
+        raise ValueError("data_manifest: no paths given")
     entries: dict[str, str] = {}
     total = 0
     for name, path in _files(paths):
-        info = path.stat()
-        if mode == "fast":
-            entries[name] = f"{info.st_size}:{info.st_mtime_ns}"
-        else:
-            with path.open("rb") as stream:
-                size, hexdigest = digest_stream(stream, digest)
-            entries[name] = f"{size}:{hexdigest}"
+        try:
+            info = path.stat()
+            if mode == "fast":
+                entries[name] = f"{info.st_size}:{info.st_mtime_ns}"
+            else:
+                with path.open("rb") as stream:
+                    size, hexdigest = digest_stream(stream, digest)
+                entries[name] = f"{size}:{hexdigest}"
+        except FileNotFoundError:
+            raise FileNotFoundError(f"data_manifest: {path} disappeared while the dataset was being "
+                                    "fingerprinted; fingerprint a dataset that is not being written") from None
         total += info.st_size
     aggregate = new_hasher(digest)
     for name, value in entries.items():

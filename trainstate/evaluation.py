@@ -20,12 +20,12 @@ from .state import TrainState
 
 
 @contextmanager
-def evaluating(state: TrainState | Iterable[torch.nn.Module] | None = None, *,
+def evaluating(state: TrainState | torch.nn.Module | Iterable[torch.nn.Module] | None = None, *,
                rngs: Mapping[str, rng_mod.Generator] | None = None, no_grad: bool = True) -> Iterator[None]:
     """Run the block in eval mode, then put every RNG and train/eval flag back as it was.
 
     ``state`` is the :class:`~trainstate.TrainState` (its modules and named
-    generators are covered) or an iterable of modules. The global sources
+    generators are covered), a module, or an iterable of modules. The global sources
     (Python, NumPy, torch CPU and CUDA) are always saved and restored; pass
     extra generators in ``rngs``. Restoration also happens when the block
     raises::
@@ -34,6 +34,8 @@ def evaluating(state: TrainState | Iterable[torch.nn.Module] | None = None, *,
             with ts.evaluating(state):
                 metric = sum(loss_fn(model(x), y) for x, y in val_loader.replay())
     """
+    if isinstance(state, torch.nn.Module):
+        state = [state]
     if isinstance(state, TrainState):
         modules: list[torch.nn.Module] = list(state.modules().values())
         named = {**state.rngs, **(rngs or {})}

@@ -13,7 +13,9 @@ import dataclasses
 import datetime
 import logging
 import math
+import sys
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from . import contract as contract_mod
 from . import signing, snapshot, tensorfile
 from .errors import (ContractMismatch, CorruptGeneration, FieldChange, GenerationExists, InsufficientSpace,
                      NoValidGeneration, PendingGradients, Rejection, WeightsOnlyGeneration)
+from .asyncsave import AsyncSaveFailed, SaveHandle, Writer
 from .lifecycle import Lifecycle, new_timeline
 from .localfs import LocalStore
 from .manifest import (MANIFEST, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer, check_name, generation_name,
@@ -94,6 +97,11 @@ class Status:
     mean_save_s: float | None
     mean_update_s: float | None  # between update boundaries, saves excluded (measured by due())
     interval_updates: int | None  # the cadence in force, when a cadence is configured and measured
+    last_started: str | None = None  # captured at a boundary by this manager
+    last_staged: str | None = None  # background save whose owned copy exists
+    last_committed: str | None = None  # published (pointer moved) by this manager
+    in_flight: int = 0
+    unreported_failures: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,16 @@ class _Clock:
         return sum(values) / len(values) if values else None
 
 
+def _report_at_exit(writer: Writer, directory: str) -> None:
+    """Never lose a background failure silently, even if close() was never called."""
+    writer.drain()
+    for generation in writer.unreported():
+        message = (f"trainstate: background save of {generation} in {directory} failed and was never reported "
+                   "(close() or wait() was not called); it was not published")
+        log.error("%s", message)
+        print(message, file=sys.stderr)
+
+
 def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     out = {}
     for name, value in (metrics or {}).items():
@@ -163,6 +181,19 @@ def _policy_record(policy: Retention) -> dict[str, Any]:
     record = dataclasses.asdict(policy)
     record["best"] = list(policy.best) if policy.best else None
     return record
+
+
+@dataclass
+class _Pending:
+    """A generation prepared at one update boundary, waiting to be published."""
+
+    name: str
+    kind: str
+    next_update: int
+    parent: str | None
+    skeleton: dict
+    tensors: dict
+    extra: dict
 
 
 class CheckpointManager:
@@ -197,7 +228,7 @@ class CheckpointManager:
     def __init__(self, directory: str | Path, *, keep_last: int = 3, retention: Retention | None = None,
                  digest: str = "blake3", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
                  store: Store | None = None, rehearse: Factory | None = None, preflight: bool = True,
-                 headroom: float = 0.05, cadence: Cadence | None = None):
+                 headroom: float = 0.05, cadence: Cadence | None = None, max_in_flight: int = 1):
         if type(keep_last) is not int or keep_last < 1:
             raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
         if retention is not None and keep_last != 3:
@@ -220,6 +251,11 @@ class CheckpointManager:
         self.last_rejections: tuple[Rejection, ...] = ()
         self._clock = _Clock()
         self._last_full_update: int | None = None
+        self._writer = Writer(max_in_flight)
+        weakref.finalize(self, _report_at_exit, self._writer, str(directory))
+        self._started: str | None = None  # last generation prepared (captured at a boundary)
+        self._staged: str | None = None  # last background save whose owned copy exists
+        self._committed: str | None = None  # last generation published by this manager
 
     @property
     def keep_last(self) -> int:
@@ -234,11 +270,18 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        self.store.unlock()
+        """Finish every background save, release the directory, then raise any unreported failure."""
+        try:
+            self._writer.shutdown()
+        finally:
+            self.store.unlock()
+        failed = self._writer.unreported()
+        if failed:
+            self._writer.raise_unreported()
 
     # saving ------------------------------------------------------------------
     def save(self, state: TrainState, *, weights_only: bool = False, include_grads: bool = False,
-             metrics: Mapping[str, float] | None = None) -> GenerationInfo:
+             metrics: Mapping[str, float] | None = None, blocking: bool = True) -> GenerationInfo | SaveHandle:
         """Publish a generation of ``state``; returns once it is durable, verified and latest.
 
         Refuses while gradients are pending (a backward pass since the last
@@ -248,8 +291,46 @@ class CheckpointManager:
         in the manifest; the retention policy's ``best`` metric reads them.
         Raises :class:`InsufficientSpace` before writing anything when the
         disk cannot hold the generation even after pruning what policy allows.
+
+        With ``blocking=False`` it returns a :class:`SaveHandle` as soon as an
+        owned copy of the whole state exists; the live objects may change at
+        once. At most ``max_in_flight`` saves run at a time (a further save
+        waits for one to finish). A background failure is raised once, by the
+        handle's ``wait()`` or else by the next ``save``, ``wait`` or ``close``.
         """
+        self._writer.raise_unreported()
+        if not blocking and self.rehearse_factory is not None:
+            raise ValueError("rehearse= builds objects (and may draw global RNG) while training runs; it cannot "
+                             "run beside a background save. Use blocking saves, or rehearse out of process with "
+                             "`trainstate verify DIR --rehearse module:function`.")
         started = time.monotonic()
+        if blocking:
+            self._writer.drain()  # publish in order behind any background save
+            self._writer.raise_unreported()
+            info = self._publish(self._prepare(state, weights_only, include_grads, metrics))
+            self._clock.saved(time.monotonic() - started)
+            return info
+        buffers = self._writer.acquire()  # backpressure: waits while max_in_flight saves are in flight
+        try:
+            self._writer.raise_unreported()  # one may have failed while we waited
+            pending = self._prepare(state, weights_only, include_grads, metrics)
+            pending.tensors = buffers.stage(pending.tensors)
+        except BaseException:
+            self._writer.release_unused(buffers)
+            raise
+        self._staged = pending.name
+        handle = self._writer.submit(pending.name, buffers, lambda: self._publish(pending))
+        self._clock.saved(time.monotonic() - started)  # the stall is what blocks training
+        return handle
+
+    def wait(self) -> None:
+        """Wait for every background save; raise the first failure not yet reported."""
+        self._writer.drain()
+        self._writer.raise_unreported()
+
+    def _prepare(self, state: TrainState, weights_only: bool, include_grads: bool,
+                 metrics: Mapping[str, float] | None) -> _Pending:
+        """Everything a generation holds, taken from the live state at one boundary."""
         kind = "weights" if weights_only else "full"
         recorded = _metrics(metrics)
         if kind == "full" and state.pending_gradients and not include_grads:
@@ -260,35 +341,41 @@ class CheckpointManager:
         skeleton, tensors = snapshot.capture(state, kind=kind, include_grads=include_grads)
         positions = {n: c.data_position() for n, c in state.data_positions().items()} if kind == "full" else {}
         name = generation_name(state.next_update, kind)
+        if state.lineage is None:
+            state.lineage = [[new_timeline(), None]]
+        pending = _Pending(name, kind, state.next_update, state.parent, skeleton, tensors, {
+            "data": positions, "metrics": recorded, "retention": _policy_record(self.retention),
+            "lineage": [list(e) for e in state.lineage] if kind == "full" else []})
+        self._started = name
+        if kind == "full":
+            state.parent = name  # the next generation descends from this one, even while it is being written
+            self._last_full_update = state.next_update
+        return pending
+
+    def _publish(self, p: _Pending) -> GenerationInfo:
+        """The publication protocol, from a prepared snapshot (on the caller's or the writer's thread)."""
         self.store.lock()
-        self._make_room_for(name)
+        self._make_room_for(p.name)
         for leftover in self.store.clean_leftovers():
             log.info("removed leftover %s from an interrupted save", leftover)
         if self.preflight:
-            self._check_space(name, sum(t.nbytes for t in tensors.values()) + 128 * len(tensors)
-                              + len(snapshot.state_json(skeleton)))
-        if state.lineage is None:
-            state.lineage = [[new_timeline(), None]]
-        extra = {"data": positions, "metrics": recorded, "retention": _policy_record(self.retention),
-                 "lineage": [list(e) for e in state.lineage] if kind == "full" else []}
-        manifest_bytes = self._stage_and_commit(name, state, skeleton, tensors, extra)
+            self._check_space(p.name, sum(t.nbytes for t in p.tensors.values()) + 128 * len(p.tensors)
+                              + len(snapshot.state_json(p.skeleton)))
+        manifest_bytes = self._stage_and_commit(p)
         try:
-            verified = verify_generation(self.store, name, content=self.verify_mode == "full", key=self.key)
+            verified = verify_generation(self.store, p.name, content=self.verify_mode == "full", key=self.key)
             if verified.manifest.to_bytes(self.key) != manifest_bytes:
-                raise CorruptGeneration(name, "committed manifest differs from the one written")
+                raise CorruptGeneration(p.name, "committed manifest differs from the one written")
         except CorruptGeneration:
-            self.store.remove(name)  # committed but not what we wrote: never let it become latest
+            self.store.remove(p.name)  # committed but not what we wrote: never let it become latest
             raise
-        if kind == "full" and self.rehearse_factory is not None:
-            self._rehearse_new(name)
-        pointer = Pointer(name, verified.manifest_digest, verified.manifest_size,
-                          verified.manifest.digest_algorithm, state.next_update, kind)
-        self.store.write_pointer(POINTER if kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(self.key))
-        if kind == "full":
-            state.parent = name
-            self._last_full_update = state.next_update
-        self._prune({kind: name})
-        self._clock.saved(time.monotonic() - started)
+        if p.kind == "full" and self.rehearse_factory is not None:
+            self._rehearse_new(p.name)
+        pointer = Pointer(p.name, verified.manifest_digest, verified.manifest_size,
+                          verified.manifest.digest_algorithm, p.next_update, p.kind)
+        self.store.write_pointer(POINTER if p.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(self.key))
+        self._committed = p.name
+        self._prune({p.kind: p.name})
         return GenerationInfo.from_verified(self.store, verified)
 
     def _rehearse_new(self, name: str) -> None:
@@ -347,19 +434,18 @@ class CheckpointManager:
         except CorruptGeneration:
             return None
 
-    def _stage_and_commit(self, name: str, state: TrainState, skeleton: dict, tensors: dict,
-                          extra: dict[str, Any]) -> bytes:
-        staging = self.store.begin(name)
+    def _stage_and_commit(self, p: _Pending) -> bytes:
+        staging = self.store.begin(p.name)
         try:
-            layout = tensorfile.plan(tensors)
-            files = [staging.write(STATE, [snapshot.state_json(skeleton)]),
-                     staging.write(TENSORS, tensorfile.chunks(layout, tensors))]
+            layout = tensorfile.plan(p.tensors)
+            files = [staging.write(STATE, [snapshot.state_json(p.skeleton)]),
+                     staging.write(TENSORS, tensorfile.chunks(layout, p.tensors))]
             manifest = Manifest(
-                generation=name, kind=skeleton["kind"], next_update=state.next_update,
+                generation=p.name, kind=p.kind, next_update=p.next_update,
                 digest_algorithm=self.store.digest_algorithm, files=tuple(files),
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
-                contract_fingerprint=contract_mod.digest(skeleton["contract"]["fields"]),
-                versions=skeleton["contract"]["versions"], parent=state.parent, **extra)
+                contract_fingerprint=contract_mod.digest(p.skeleton["contract"]["fields"]),
+                versions=p.skeleton["contract"]["versions"], parent=p.parent, **p.extra)
             manifest_bytes = manifest.to_bytes(self.key)
             staging.write(MANIFEST, [manifest_bytes])
             staging.commit()
@@ -452,7 +538,9 @@ class CheckpointManager:
         return Status(self.store.location, full, parse_generation_name(full)[0] if full else None,
                       anchors.get("weights"), len(self.store.generations()), self.lifecycle.pins(), self.best(),
                       self._clock.saves[-1] if self._clock.saves else None, self._clock.mean(self._clock.saves),
-                      self._clock.mean(self._clock.updates), self._interval() if self.cadence else None)
+                      self._clock.mean(self._clock.updates), self._interval() if self.cadence else None,
+                      self._started, self._staged, self._committed, self._writer.in_flight(),
+                      tuple(self._writer.unreported()))
 
     # restoring ---------------------------------------------------------------
     def restore(self, state: TrainState, *, generation: str | None = None, allow_changes: Iterable[str] = (),
@@ -464,6 +552,7 @@ class CheckpointManager:
         and :class:`ContractMismatch` (loading nothing) when the experiment
         contract differs, unless each differing field is in ``allow_changes``.
         """
+        self._writer.drain()  # a background save in flight publishes first
         allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
         chosen, rejected = self._choose(generation)
         if chosen is None:

@@ -40,26 +40,72 @@ processes that build everything and restore from disk after they start.
 
 from __future__ import annotations
 
-from .worker import DRAWS_FILE, IDS_LOG, LOADER_LOG, DrillConfig, DrillError, FORGET_CHOICES, IN_FEATURES, IdsLog, OUT_FEATURES, SyntheticDataset, build, build_loader, build_model, dataset_size, next_draws, probe, train_step, worker_main
-from .launch import Spawner, Zygote, processes_holding, wait_for_exit, worker_args, worker_env, zygote_main
-from .driver import DrillReport, KillPlan, RESTORE_WINDOW_S, Start, Timing, check_visible, expected_restore, plan_kills, run_interrupted, run_reference
-from .compare import Comparison, ConsumedIds, compare_consumed, compare_runs, compare_values, describe_compared, read_consumed_ids
+from .compare import (
+    Comparison,
+    ConsumedIds,
+    compare_consumed,
+    compare_runs,
+    compare_values,
+    describe_compared,
+    read_consumed_ids,
+)
+from .driver import (
+    RESTORE_WINDOW_S,
+    DrillReport,
+    KillPlan,
+    Start,
+    Timing,
+    check_visible,
+    expected_restore,
+    plan_kills,
+    run_interrupted,
+    run_reference,
+)
+from .launch import (
+    Spawner,
+    Zygote,
+    processes_holding,
+    wait_for_exit,
+    worker_args,
+    worker_env,
+    zygote_main,
+)
+from .worker import (
+    DRAWS_FILE,
+    FORGET_CHOICES,
+    IDS_LOG,
+    IN_FEATURES,
+    LOADER_LOG,
+    OUT_FEATURES,
+    DrillConfig,
+    DrillError,
+    IdsLog,
+    SyntheticDataset,
+    build,
+    build_loader,
+    build_model,
+    dataset_size,
+    next_draws,
+    probe,
+    train_step,
+    worker_main,
+)
 
 __all__ = [
-    'Comparison',
-    'ConsumedIds',
     'DRAWS_FILE',
-    'DrillConfig',
-    'DrillError',
-    'DrillReport',
     'FORGET_CHOICES',
     'IDS_LOG',
     'IN_FEATURES',
-    'IdsLog',
-    'KillPlan',
     'LOADER_LOG',
     'OUT_FEATURES',
     'RESTORE_WINDOW_S',
+    'Comparison',
+    'ConsumedIds',
+    'DrillConfig',
+    'DrillError',
+    'DrillReport',
+    'IdsLog',
+    'KillPlan',
     'Spawner',
     'Start',
     'SyntheticDataset',
@@ -77,8 +123,8 @@ __all__ = [
     'expected_restore',
     'next_draws',
     'plan_kills',
-    'processes_holding',
     'probe',
+    'processes_holding',
     'read_consumed_ids',
     'run_interrupted',
     'run_reference',
