@@ -13,6 +13,7 @@ service-level promise: real failures cluster, and a preemption notice (see
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 
@@ -89,3 +90,56 @@ def advise(save_cost: float, mtbf: float, step_time: float, restart: float = 0.0
     return Advice(save_cost, mtbf, step_time, young, daly, y_updates, d_updates,
                   expected_overhead(y_updates * step_time, save_cost, mtbf, restart),
                   expected_overhead(d_updates * step_time, save_cost, mtbf, restart))
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Pick the full-save interval from measurements (see :mod:`trainstate.cadence`).
+
+    ``mtbf_s`` is the mean time between failures; ``restart_s`` the time a
+    restart costs. The first save is due after ``first_after`` updates (to
+    measure a save); afterwards the interval is Daly's optimum (``model="young"``
+    for Young's), in updates, clamped to ``[min_updates, max_updates]``.
+    """
+
+    mtbf_s: float
+    restart_s: float = 0.0
+    first_after: int = 10
+    min_updates: int = 1
+    max_updates: int | None = None
+    model: str = "daly"
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mtbf_s) and self.mtbf_s > 0):
+            raise ValueError(f"mtbf_s must be positive, got {self.mtbf_s!r}")
+        if self.model not in ("daly", "young"):
+            raise ValueError(f"model must be 'daly' or 'young', got {self.model!r}")
+        if self.first_after < 1 or self.min_updates < 1 or (self.max_updates is not None
+                                                               and self.max_updates < self.min_updates):
+            raise ValueError("first_after and min_updates must be >= 1, and max_updates >= min_updates")
+
+
+class Clock:
+    """Measured save cost and update time (monotonic clock)."""
+
+    def __init__(self) -> None:
+        self.saves: list[float] = []
+        self.updates: list[float] = []
+        self.last_boundary: float | None = None
+        self.saving_since_boundary = 0.0
+
+    def boundary(self) -> None:
+        now = time.monotonic()
+        if self.last_boundary is not None:
+            self.updates.append(max(now - self.last_boundary - self.saving_since_boundary, 1e-9))
+            del self.updates[:-1000]
+        self.last_boundary, self.saving_since_boundary = now, 0.0
+
+    def saved(self, seconds: float) -> None:
+        self.saves.append(seconds)
+        del self.saves[:-20]
+        self.saving_since_boundary += seconds
+
+    @staticmethod
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None

@@ -22,139 +22,26 @@ from pathlib import Path
 from typing import Any
 
 from . import cadence as cadence_mod
+from .cadence import Cadence, Clock
 from . import contract as contract_mod
 from . import signing, snapshot, tensorfile
 from .errors import (ContractMismatch, CorruptGeneration, FieldChange, GenerationExists, InsufficientSpace,
                      NoValidGeneration, PendingGradients, Rejection, WeightsOnlyGeneration)
-from .asyncsave import AsyncSaveFailed, SaveHandle, Writer
+from .asyncsave import SaveHandle, Writer
 from .lifecycle import Lifecycle, new_timeline
 from .localfs import LocalStore
 from .manifest import (MANIFEST, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer, check_name, generation_name,
                        parse_generation_name, parse_pointer)
 from .rehearsal import Factory, Rehearsal, rehearse
+from .records import GenerationInfo, RestoreInfo, Status
 from .retention import Plan, Retention
 from .signing import SigningKey
 from .state import TrainState
 from .storage import Store
-from .verify import Verified, load_verified, read_manifest, verify_generation
+from .verify import Verified, load_verified, verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
-
-
-@dataclass(frozen=True)
-class GenerationInfo:
-    """A published generation."""
-
-    name: str
-    location: str
-    kind: str
-    next_update: int
-    created: str
-    size: int
-    manifest_digest: str
-    digest_algorithm: str
-
-    @classmethod
-    def from_verified(cls, store: Store, v: Verified) -> GenerationInfo:
-        m = v.manifest
-        return cls(m.generation, f"{store.location}/{m.generation}", m.kind, m.next_update, m.created,
-                   v.manifest_size + sum(f.size for f in m.files), v.manifest_digest, m.digest_algorithm)
-
-
-@dataclass(frozen=True)
-class RestoreInfo:
-    """What ``restore`` loaded, what it skipped and what it accepted."""
-
-    generation: GenerationInfo
-    rejected: tuple[Rejection, ...] = ()
-    contract_changes: tuple[FieldChange, ...] = ()
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def identical_continuation(self) -> bool:
-        """False when a contract change was accepted or some randomness continues only statistically."""
-        return not self.contract_changes and not self.warnings
-
-
-@dataclass(frozen=True)
-class Status:
-    """What the run directory protects right now, and what the manager has measured.
-
-    ``recovery_point`` is the newest *full* generation the ``latest`` pointer
-    names: a restart resumes there. Weights-only generations never count as
-    restart protection; ``latest_weights`` is reported on its own.
-    """
-
-    directory: str
-    recovery_point: str | None
-    recovery_update: int | None
-    latest_weights: str | None
-    generations: int
-    pins: dict[str, str]
-    best: str | None
-    last_save_s: float | None  # blocking time of the last save in this process
-    mean_save_s: float | None
-    mean_update_s: float | None  # between update boundaries, saves excluded (measured by due())
-    interval_updates: int | None  # the cadence in force, when a cadence is configured and measured
-    last_started: str | None = None  # captured at a boundary by this manager
-    last_staged: str | None = None  # background save whose owned copy exists
-    last_committed: str | None = None  # published (pointer moved) by this manager
-    in_flight: int = 0
-    unreported_failures: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """Pick the full-save interval from measurements (see :mod:`trainstate.cadence`).
-
-    ``mtbf_s`` is the mean time between failures; ``restart_s`` the time a
-    restart costs. The first save is due after ``first_after`` updates (to
-    measure a save); afterwards the interval is Daly's optimum (``model="young"``
-    for Young's), in updates, clamped to ``[min_updates, max_updates]``.
-    """
-
-    mtbf_s: float
-    restart_s: float = 0.0
-    first_after: int = 10
-    min_updates: int = 1
-    max_updates: int | None = None
-    model: str = "daly"
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.mtbf_s) and self.mtbf_s > 0):
-            raise ValueError(f"mtbf_s must be positive, got {self.mtbf_s!r}")
-        if self.model not in ("daly", "young"):
-            raise ValueError(f"model must be 'daly' or 'young', got {self.model!r}")
-        if self.first_after < 1 or self.min_updates < 1 or (self.max_updates is not None
-                                                               and self.max_updates < self.min_updates):
-            raise ValueError("first_after and min_updates must be >= 1, and max_updates >= min_updates")
-
-
-class _Clock:
-    """Measured save cost and update time (monotonic clock)."""
-
-    def __init__(self) -> None:
-        self.saves: list[float] = []
-        self.updates: list[float] = []
-        self.last_boundary: float | None = None
-        self.saving_since_boundary = 0.0
-
-    def boundary(self) -> None:
-        now = time.monotonic()
-        if self.last_boundary is not None:
-            self.updates.append(max(now - self.last_boundary - self.saving_since_boundary, 1e-9))
-            del self.updates[:-1000]
-        self.last_boundary, self.saving_since_boundary = now, 0.0
-
-    def saved(self, seconds: float) -> None:
-        self.saves.append(seconds)
-        del self.saves[:-20]
-        self.saving_since_boundary += seconds
-
-    @staticmethod
-    def mean(values: list[float]) -> float | None:
-        return sum(values) / len(values) if values else None
 
 
 def _report_at_exit(writer: Writer, directory: str) -> None:
@@ -249,7 +136,7 @@ class CheckpointManager:
         self.cadence = cadence
         self.lifecycle = Lifecycle(self.store, self.key)
         self.last_rejections: tuple[Rejection, ...] = ()
-        self._clock = _Clock()
+        self._clock = Clock()
         self._last_full_update: int | None = None
         self._writer = Writer(max_in_flight)
         weakref.finalize(self, _report_at_exit, self._writer, str(directory))

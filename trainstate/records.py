@@ -1,0 +1,71 @@
+"""What the manager reports: published generations, restores, and the directory's status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import FieldChange, Rejection
+from .storage import Store
+from .verify import Verified
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    """A published generation."""
+
+    name: str
+    location: str
+    kind: str
+    next_update: int
+    created: str
+    size: int
+    manifest_digest: str
+    digest_algorithm: str
+
+    @classmethod
+    def from_verified(cls, store: Store, v: Verified) -> GenerationInfo:
+        m = v.manifest
+        return cls(m.generation, f"{store.location}/{m.generation}", m.kind, m.next_update, m.created,
+                   v.manifest_size + sum(f.size for f in m.files), v.manifest_digest, m.digest_algorithm)
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """What ``restore`` loaded, what it skipped and what it accepted."""
+
+    generation: GenerationInfo
+    rejected: tuple[Rejection, ...] = ()
+    contract_changes: tuple[FieldChange, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def identical_continuation(self) -> bool:
+        """False when a contract change was accepted or some randomness continues only statistically."""
+        return not self.contract_changes and not self.warnings
+
+
+@dataclass(frozen=True)
+class Status:
+    """What the run directory protects right now, and what the manager has measured.
+
+    ``recovery_point`` is the newest *full* generation the ``latest`` pointer
+    names: a restart resumes there. Weights-only generations never count as
+    restart protection; ``latest_weights`` is reported on its own.
+    """
+
+    directory: str
+    recovery_point: str | None
+    recovery_update: int | None
+    latest_weights: str | None
+    generations: int
+    pins: dict[str, str]
+    best: str | None
+    last_save_s: float | None  # blocking time of the last save in this process
+    mean_save_s: float | None
+    mean_update_s: float | None  # between update boundaries, saves excluded (measured by due())
+    interval_updates: int | None  # the cadence in force, when a cadence is configured and measured
+    last_started: str | None = None  # captured at a boundary by this manager
+    last_staged: str | None = None  # background save whose owned copy exists
+    last_committed: str | None = None  # published (pointer moved) by this manager
+    in_flight: int = 0
+    unreported_failures: tuple[str, ...] = ()
