@@ -225,7 +225,7 @@ def main(jobs_file: str, results_file: str) -> int:
                 _job(job)
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - any failure is this job's exit status
                 traceback.print_exc()
                 code = 1
             finally:
@@ -233,7 +233,8 @@ def main(jobs_file: str, results_file: str) -> int:
                 sys.stderr.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        results.append({"out": job["out"], "pid": pid, "exit": os.waitstatus_to_exitcode(status)})
+        results.append({"out": job.get("out", job.get("stdout")), "pid": pid,
+                        "exit": os.waitstatus_to_exitcode(status)})
     Path(results_file).write_text(json.dumps(results))  # each job's exit status; the caller judges them
     return 0
 

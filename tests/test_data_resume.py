@@ -27,9 +27,9 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Seque
 
 import trainstate as ts
 import trainstate.order
+from trainstate.loader import _EpochBatches
 from data_run import (BATCH, N, SEED, TOTAL, Config, GlobalRandDataset, Recorder, build, load, run, seed_globals,
                       train, train_step)
-from trainstate.loader import _EpochBatches
 
 HERE = Path(__file__).parent
 BATCHES_PER_EPOCH = math.ceil(N / BATCH)  # 6, the last one of 2 samples
@@ -88,8 +88,8 @@ def runs(tmp_path_factory) -> Runs:
     r = Runs(tmp_path_factory.mktemp("data-resume"))
     inspected = r.root / "inspected"
     jobs: list[dict] = [{"cli": ["inspect", str(inspected), "--json"], "stdout": str(r.out / "inspect.json")}]
-    for config in CONFIGS:
-        run(r.root / f"{config}-ref", r.out / f"{config}-ref", CONFIGS[config])
+    for config, cfg in CONFIGS.items():
+        run(r.root / f"{config}-ref", r.out / f"{config}-ref", cfg)
     for config, stop in RESUMES:
         directory = r.root / f"{config}-{stop}"
         run(directory, r.out / f"{config}-{stop}-part1", CONFIGS[config], stop_at=STOPS[stop])
@@ -98,7 +98,7 @@ def runs(tmp_path_factory) -> Runs:
     shutil.copytree(r.root / "-".join(INSPECTED), inspected)
     (r.root / "jobs.json").write_text(json.dumps(jobs))
     child = subprocess.run([sys.executable, str(HERE / "data_run.py"), str(r.root / "jobs.json"),
-                            str(r.root / "results.json")], capture_output=True, text=True, timeout=300)
+                            str(r.root / "results.json")], capture_output=True, text=True, timeout=300, check=False)
     assert child.returncode == 0, f"the resume process failed:\n{child.stdout}\n{child.stderr[-4000:]}"
     r.results = json.loads((r.root / "results.json").read_text())
     assert len({res["pid"] for res in r.results}) == len(jobs), "every job must run in a process of its own"
@@ -178,6 +178,29 @@ def test_inspect_json_shows_data_position(runs):
     assert (report["data"]["data"]["epoch"], report["data"]["data"]["cursor"]) == STOP_POSITION[INSPECTED[1]]
 
 
+def test_rollback_into_live_loader_with_prefetch_in_flight(tmp_path):
+    """Restoring into the live objects (a rollback) while persistent workers hold prefetched batches of a later
+    position continues exactly from the saved position."""
+    cfg = Config(2, persistent=True, prefetch=2)
+    run(tmp_path / "ref", tmp_path / "ref", cfg)
+    ref, _ = load(tmp_path / "ref")
+    seed_globals(7)
+    state, loader = build(cfg)
+    with ts.CheckpointManager(tmp_path / "run") as ckpt:
+        train(state, loader, ckpt, total=TOTAL, stop_at=3)
+        train(state, loader, None, total=8)  # on past the save: mid-epoch, batches prefetched
+        assert ckpt.restore(state).identical_continuation
+    assert (state.next_update, loader.epoch, loader.cursor) == (3, 0, 3)
+    rec = Recorder()
+    train(state, loader, None, total=TOTAL, recorder=rec)
+    got = rec.arrays()
+    rows = int(ref["sizes"][:3].sum())
+    assert_bitwise(got["ids"], ref["ids"][rows:], "ids")
+    assert_bitwise(got["x"], ref["x"][rows:], "x")
+    for key in (k for k in ref if k.startswith("w.")):
+        assert_bitwise(state["model"].state_dict()[key[2:]].numpy(), ref[key], key)
+
+
 # 2. Negative controls ------------------------------------------------------------------------------------------
 
 
@@ -230,7 +253,7 @@ def test_counting_at_the_sampler_would_skip_samples(tmp_path):
     with ts.CheckpointManager(tmp_path) as ckpt:
         train(state, loader, ckpt, total=total, stop_at=k, recorder=before)
     produced = loader._sampler.produced
-    assert produced == k + 2 * 2, "the sampler should run prefetch_factor * num_workers batches ahead"
+    assert k < produced <= k + 2 * 2, "the sampler should run up to prefetch_factor * num_workers batches ahead"
     assert (loader.epoch, loader.cursor) == (0, k)
 
     # Positive control: the position as saved (counted at consumption) continues exactly.
@@ -294,9 +317,9 @@ def test_not_restoring_the_position_repeats_samples(tmp_path, how):
 CHANGES = {"dataset_len": ("n", N, N - 1), "seed": ("seed", SEED, SEED + 1), "batch_size": ("batch_size", BATCH, 5)}
 
 
-def _save_at(directory: Path, k: int = 3, cfg: Config = Config(0)) -> ts.ResumableLoader:
+def _save_at(directory: Path, k: int = 3) -> ts.ResumableLoader:
     seed_globals(7)
-    state, loader = build(cfg)
+    state, loader = build(Config(0))
     with ts.CheckpointManager(directory) as ckpt:
         train(state, loader, ckpt, total=TOTAL, stop_at=k)
     return loader
@@ -484,7 +507,7 @@ def _same(a: dict, b: dict, keys) -> bool:
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_worker_global_rng_mid_epoch_warns_once(tmp_path, persistent):
-    ref, got, part2, meta = _split_run(tmp_path, Config(2, persistent=persistent, prefetch=2, dataset="global"), 3)
+    ref, got, _, meta = _split_run(tmp_path, Config(2, persistent=persistent, prefetch=2, dataset="global"), 3)
     assert len(meta["warnings"]) == 1, meta["warnings"]
     assert "global RNG" in meta["warnings"][0]
     assert meta["restore_warnings"] == meta["warnings"]

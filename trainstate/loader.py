@@ -177,7 +177,8 @@ class ResumableLoader:
         self._global_draws_seen = False
         self._expected: dict[str, Any] | None = None  # next batch recorded by the restored generation
         self._resumed_mid_stream = False
-        self._warning: str | None = None
+        self._warnings: list[str] = []  # what continues only statistically since the last restore
+        self._warned_draws = False
         self._active: object | None = None
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self._sampler = _EpochBatches()
@@ -213,10 +214,16 @@ class ResumableLoader:
         return self._consume(token, epoch, batches, iter(self.loader))
 
     def _consume(self, token: object, epoch: int, batches: list[np.ndarray], it: Iterator[Any]) -> Iterator[Any]:
-        for batch in it:
+        while True:
+            # Checked before taking a batch: with persistent workers every iter() of the DataLoader returns the
+            # same underlying iterator, so a stale one would take the live one's next batch.
             if self._active is not token:
                 raise RuntimeError("this ResumableLoader iterator is stale: the loader was iterated again or "
                                    "restored since it started; take batches from the newest iterator only")
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
             if self.epoch != epoch or self.cursor >= len(batches):
                 raise RuntimeError("the DataLoader yielded more batches than the epoch plan holds")
             ids = batches[self.cursor]
@@ -296,7 +303,8 @@ class ResumableLoader:
         self.samples_seen, self.tokens_seen = saved["samples_seen"], saved["tokens_seen"]
         self._expected = dict(saved["next_batch"])
         self._active = None
-        self._warning = None
+        self._warnings = []
+        self._warned_draws = False
         self._global_draws_seen = bool(saved.get("worker_global_draws"))
         workers = self.loader.num_workers
         self._resumed_mid_stream = bool(workers) and (self.cursor > 0 or self.loader.persistent_workers)
@@ -304,32 +312,37 @@ class ResumableLoader:
 
     # checks ------------------------------------------------------------------
     def _check_expected(self, epoch: int, cursor: int, ids: np.ndarray) -> None:
-        expected, self._expected = self._expected, None
+        expected = self._expected
         got = ids_digest(epoch, cursor, ids)
         if (expected["epoch"], expected["cursor"], expected.get("ids_digest")) == (epoch, cursor, got):
+            self._expected = None
             return
         message = (f"the first batch after restore (epoch {epoch}, batch {cursor}, {len(ids)} samples) is not the "
                    f"one the checkpoint recorded (epoch {expected['epoch']}, batch {expected['cursor']}, "
                    f"{expected.get('size')} samples): the data pipeline changed (dataset, order, seed, batch size "
                    "or world size)")
         if self.on_mismatch == "warn":
+            self._expected = None
+            self._warnings.append(message)
             warnings.warn(message, ContinuationWarning, stacklevel=3)
             log.warning("%s", message)
             return
-        raise DataMismatch(message)
+        raise DataMismatch(message)  # and again on every try, until the loader is rebuilt or restored
 
     def _global_draws(self) -> bool:
         return self._global_draws_seen or bool(self._flag is not None and self._flag.value)
 
     def restore_warnings(self) -> list[str]:
         """What continues only statistically since the last restore (also warned once, as it is found)."""
-        return [self._warning] if self._warning else []
+        return list(self._warnings)
 
     def _note_global_draws(self) -> None:
-        if self._warning or not self._resumed_mid_stream or not self._global_draws():
+        if self._warned_draws or not self._resumed_mid_stream or not self._global_draws():
             return
-        self._warning = message = ("the dataset draws from the DataLoader workers' global RNG (random, numpy.random or torch), "
+        self._warned_draws = True
+        message = ("the dataset draws from the DataLoader workers' global RNG (random, numpy.random or torch), "
                    "and this run resumed in the middle of a worker stream: those draws continue statistically, "
                    "not bitwise. Draw per-sample randomness from ts.sample_generator(index) for a bitwise resume.")
+        self._warnings.append(message)
         warnings.warn(message, ContinuationWarning, stacklevel=3)
         log.warning("%s", message)
