@@ -153,7 +153,11 @@ def _decode_tag(tag: str, inner: Any, path: str, tensors: Mapping[str, torch.Ten
         if tag == "$t":
             return tensors[inner]
         if tag == "$nd":
-            return tensors[inner].numpy()
+            tensor = tensors[inner]
+            if tensor.is_meta:  # a preview: the right shape and dtype, no memory
+                zero = np.zeros(1, dtype=torch.empty(0, dtype=tensor.dtype).numpy().dtype)
+                return np.lib.stride_tricks.as_strided(zero, tensor.shape, (0,) * tensor.dim(), writeable=False)
+            return tensor.numpy()
         if tag == "$np":
             dtype, value = inner
             dtype = np.dtype(dtype) if type(dtype) is str and len(dtype) <= 8 else None

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+
 from . import cadence as cadence_mod
 from .cadence import Cadence, Clock
 from . import contract as contract_mod
+from . import rng as rng_mod
 from . import signing, snapshot, tensorfile
 from .errors import (ContractMismatch, CorruptGeneration, FieldChange, GenerationExists, InsufficientSpace,
-                     NoValidGeneration, PendingGradients, Rejection, WeightsOnlyGeneration)
+                     NoValidGeneration, PendingGradients, Rejection, StateMismatch, WeightsOnlyGeneration)
 from .asyncsave import SaveHandle, Writer
 from .lifecycle import Lifecycle, new_timeline
 from .localfs import LocalStore
@@ -38,7 +40,7 @@ from .retention import Plan, Retention
 from .signing import SigningKey
 from .state import TrainState
 from .storage import Store
-from .verify import Verified, load_verified, verify_generation
+from .verify import Verified, decode_verified, verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
@@ -81,6 +83,9 @@ class _Pending:
     skeleton: dict
     tensors: dict
     extra: dict
+
+
+IN_PLACE_BYTES = 256 << 20  # restore(in_place=None) loads in place above this much tensor data
 
 
 class CheckpointManager:
@@ -431,23 +436,34 @@ class CheckpointManager:
 
     # restoring ---------------------------------------------------------------
     def restore(self, state: TrainState, *, generation: str | None = None, allow_changes: Iterable[str] = (),
-                rng_statistical_cuda: bool = False) -> RestoreInfo | None:
+                rng_statistical_cuda: bool = False, in_place: bool | None = None) -> RestoreInfo | None:
         """Continue ``state`` from the latest verified full generation (or ``generation``).
 
         Returns ``None`` when the directory holds no generation at all. Raises
         :class:`NoValidGeneration` when generations exist but none verifies,
         and :class:`ContractMismatch` (loading nothing) when the experiment
         contract differs, unless each differing field is in ``allow_changes``.
+
+        ``in_place`` (default: for generations above ``IN_PLACE_BYTES``) reads
+        tensors straight into the live ones that match by name, shape and
+        dtype, so peak memory stays near the live state: a first pass verifies
+        every digest and checks everything against the live objects while
+        keeping no large tensor; a second pass (mostly from the page cache)
+        loads, digesting again. Otherwise every byte is read once into fresh
+        tensors, which are checked and then loaded (one extra copy of the
+        state, briefly).
         """
         self._writer.drain()  # a background save in flight publishes first
         allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
-        chosen, rejected = self._choose(generation)
+        chosen, rejected = self._choose(generation, preview=in_place)
         if chosen is None:
             return None
-        verified, payload = chosen
+        verified, payload, previewed = chosen
         name = verified.manifest.generation
         accepted = self._check_contract(state, payload, name, allow)
         snapshot.check_components(state, payload, name)
+        if previewed:
+            payload = self._load_in_place(state, verified, payload, rng_statistical_cuda)
         warnings = snapshot.apply(state, payload, statistical_cuda=rng_statistical_cuda)
         if accepted:
             state.history.append({"event": "contract_change", "restored_from": name,
@@ -479,18 +495,45 @@ class CheckpointManager:
             return record
         return record[:-1] + [[record[-1][0], update], [new_timeline(), None]]
 
-    def _load(self, name: str, pointer: Pointer | None) -> tuple[Verified, dict[str, Any]]:
-        """Verify a generation completely while decoding it; any defect is a CorruptGeneration."""
-        return load_verified(self.store, name, pointer, key=self.key)
+    def _load(self, name: str, pointer: Pointer | None, preview: bool | None
+              ) -> tuple[Verified, dict[str, Any], bool]:
+        """Verify a generation completely while decoding it; any defect is a CorruptGeneration.
 
-    def _choose(self, generation: str | None) -> tuple[tuple[Verified, dict] | None, tuple[Rejection, ...]]:
+        With ``preview`` (``None``: when the tensor files exceed ``IN_PLACE_BYTES``)
+        large tensors are digested but not kept: the payload has meta tensors.
+        """
+        verified = verify_generation(self.store, name, pointer, content=False, key=self.key)
+        manifest = verified.manifest
+        if preview is None:
+            preview = sum(f.size for f in manifest.files if f.name.endswith(".safetensors")) > IN_PLACE_BYTES
+        return verified, decode_verified(self.store, manifest, preview=preview), preview
+
+    def _load_in_place(self, state: TrainState, verified: Verified, preview: dict[str, Any],
+                       statistical_cuda: bool) -> dict[str, Any]:
+        """Second pass of an in-place restore: everything already verified and checked against the live objects."""
+        rng_mod.validate(preview.get("rng", {}), state.rngs, statistical_cuda=statistical_cuda)
+        snapshot.check_grads(state, preview)
+        for name, component in state.components.items():
+            check = getattr(component, "check_state_dict", None)
+            if callable(check):
+                check(preview["components"][name]["state"])
+        try:
+            return decode_verified(self.store, verified.manifest, into=snapshot.destinations(state))
+        except CorruptGeneration as exc:
+            raise StateMismatch(
+                f"{verified.manifest.generation} changed on disk between its verification and the in-place load "
+                f"({exc}); live tensors may now hold part of it. Rebuild the live objects before restoring again, "
+                "and find what is writing to the run directory.") from exc
+
+    def _choose(self, generation: str | None, preview: bool | None = False
+                ) -> tuple[tuple[Verified, dict, bool] | None, tuple[Rejection, ...]]:
         if generation is not None:
             parsed = parse_generation_name(generation)
             if parsed is not None and parsed[1] == "weights":
                 raise WeightsOnlyGeneration(
                     f"{generation} holds weights only: restoring it is a warm start, not a resume. "
                     "Use warm_start() to load its weights, or restore a full generation.")
-            return self._load(generation, None), ()
+            return self._load(generation, None, preview), ()
         rejected: list[Rejection] = []
         names = self.store.generations()
         candidates = [n for n in names if parse_generation_name(n)[1] == "full"]
@@ -504,7 +547,7 @@ class CheckpointManager:
             candidates = [pointer.generation] + [n for n in candidates if n != pointer.generation]
         for name in candidates:
             try:
-                chosen = self._load(name, pointer if pointer and name == pointer.generation else None)
+                chosen = self._load(name, pointer if pointer and name == pointer.generation else None, preview)
             except CorruptGeneration as exc:
                 rejected.append(Rejection(name, str(exc)))
                 log.warning("rejected %s: %s", name, exc)

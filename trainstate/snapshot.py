@@ -136,7 +136,7 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     """
     rng_saved = payload.get("rng", {})
     warnings = rng_mod.validate(rng_saved, state.rngs, statistical_cuda=statistical_cuda)  # before anything loads
-    _check_grads(state, payload)
+    check_grads(state, payload)
     for name, component in state.components.items():
         check = getattr(component, "check_state_dict", None)  # optional: refuse before anything loads
         if callable(check):
@@ -165,7 +165,7 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     return warnings
 
 
-def _check_grads(state: TrainState, payload: dict[str, Any]) -> None:
+def check_grads(state: TrainState, payload: dict[str, Any]) -> None:
     """Saved gradients must name live parameters and match their shape and dtype."""
     modules = state.modules()
     for name, grads in payload.get("grads", {}).items():
@@ -176,6 +176,22 @@ def _check_grads(state: TrainState, payload: dict[str, Any]) -> None:
             param = params.get(pname)
             if param is None or grad.shape != param.shape or grad.dtype != param.dtype:
                 raise StateMismatch(f"saved gradient {name}.{pname} does not fit the live parameter")
+
+
+def destinations(state: TrainState) -> dict[str, torch.Tensor]:
+    """Live tensors by the names a snapshot of ``state`` would give them: where an in-place restore reads to.
+
+    Module parameters and buffers, and optimizer state that already exists
+    (an optimizer that has not stepped has none: its moments are read into
+    fresh tensors, which then become its state).
+    """
+    table = TensorTable()
+    for name, component in state.components.items():
+        try:
+            encode(component.state_dict(), name, table)
+        except UnsupportedValue:
+            continue  # it could not be saved either; the load path reports it
+    return {n: t.detach() for n, t in table.tensors.items() if t.device.type == "cpu"}
 
 
 def _restore_grads(state: TrainState, payload: dict[str, Any]) -> None:

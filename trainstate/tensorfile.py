@@ -217,6 +217,35 @@ def _read_exact(stream: BinaryIO, n: int, where: str) -> bytes:
     return data
 
 
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy (any dtype, 0-dim included)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+
+
+def read_tensor_into(stream: BinaryIO, layout: Layout, entry: Entry, where: str, dest: torch.Tensor) -> torch.Tensor:
+    """Read one entry straight into ``dest`` (contiguous, CPU, same dtype and shape): no extra copy."""
+    stream.seek(layout.data_start + entry.begin)
+    view = byte_view(dest)
+    got = 0
+    while got < entry.nbytes:
+        n = stream.readinto(view[got:])
+        if not n:
+            raise CorruptGeneration(where, f"file ends inside tensor {entry.name!r:.80}")
+        got += n
+    return dest
+
+
+def skip_tensor(stream: BinaryIO, layout: Layout, entry: Entry, where: str, chunk: int = 4 << 20) -> None:
+    """Read past one entry's bytes (the reader still digests them); bounded memory."""
+    stream.seek(layout.data_start + entry.begin)
+    left = entry.nbytes
+    while left:
+        data = stream.read(min(chunk, left))
+        if not data:
+            raise CorruptGeneration(where, f"file ends inside tensor {entry.name!r:.80}")
+        left -= len(data)
+
+
 def read_tensor(stream: BinaryIO, layout: Layout, entry: Entry, where: str) -> torch.Tensor:
     """Read one entry into a freshly allocated CPU tensor (one copy, no pickle)."""
     buffer = torch.empty(entry.nbytes, dtype=torch.uint8)

@@ -160,6 +160,9 @@ def read_layouts(store: Store, manifest: Manifest) -> dict[str, tensorfile.Layou
     return layouts
 
 
+PREVIEW_BYTES = 1 << 16  # in a preview, tensors larger than this are digested but not kept (RNG states are smaller)
+
+
 class _DigestingReader:
     """Reads a file strictly in order while a worker thread digests every byte read.
 
@@ -211,7 +214,20 @@ def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
     component is decoded (every file is still read and verified).
     """
     verified = verify_generation(store, generation, pointer, content=False, key=key)
-    manifest = verified.manifest
+    return verified, decode_verified(store, verified.manifest, component)
+
+
+def decode_verified(store: Store, manifest: Manifest, component: str | None = None, *, preview: bool = False,
+                    into: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Read every file of a structurally verified generation once, check each digest, decode the payload.
+
+    ``preview``: tensors above ``PREVIEW_BYTES`` are read (and digested) but
+    not kept; the payload holds meta tensors of their shape and dtype, enough
+    for every structural check. ``into``: tensors whose name, shape and dtype
+    match are read straight into those live tensors; callers pass it only for
+    a generation that has already verified completely.
+    """
+    generation = manifest.generation
     state = _read_verified_state(store, manifest)
     where_state = f"{generation}/{STATE}"
     if component is not None:
@@ -223,11 +239,11 @@ def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
         tensors: dict[str, torch.Tensor] = {}
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-verify") as pool:
             for name in tensor_files(manifest):
-                _read_tensor_file(store, manifest, name, wanted, tensors, pool)
+                _read_tensor_file(store, manifest, name, wanted, tensors, pool, preview=preview, into=into)
         payload = decode(state, component or "", tensors)
         if component is None:
             check_decoded(payload, where_state)
-        return verified, payload
+        return payload
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
@@ -272,8 +288,16 @@ def _read_verified_state(store: Store, manifest: Manifest) -> dict[str, Any]:
     return state
 
 
+def _fits(dest: torch.Tensor | None, entry: tensorfile.Entry) -> bool:
+    return (dest is not None and dest.device.type == "cpu" and dest.dtype == entry.dtype
+            and tuple(dest.shape) == tuple(entry.shape) and dest.is_contiguous())
+
+
 def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[str],
-                      tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor) -> None:
+                      tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor, *,
+                      preview: bool = False, into: dict[str, torch.Tensor] | None = None) -> None:
+    """Read and digest one tensor file; with ``preview``, large tensors become meta placeholders
+    (checked for shape and dtype only); with ``into``, matching tensors are read straight into those."""
     record = manifest.file(name)
     where = f"{manifest.generation}/{name}"
     with store.open(manifest.generation, name) as stream:
@@ -284,7 +308,13 @@ def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[s
             for entry in layout.entries:
                 if entry.name in tensors:
                     raise CorruptGeneration(where, f"tensor {entry.name!r:.80} appears in two files")
-                tensor = tensorfile.read_tensor(reader, layout, entry, where)
+                if preview and entry.nbytes > PREVIEW_BYTES:
+                    tensorfile.skip_tensor(reader, layout, entry, where)
+                    tensor = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+                elif into is not None and _fits(into.get(entry.name), entry):
+                    tensor = tensorfile.read_tensor_into(reader, layout, entry, where, into[entry.name])
+                else:
+                    tensor = tensorfile.read_tensor(reader, layout, entry, where)
                 if entry.name in wanted:
                     tensors[entry.name] = tensor
         except CorruptGeneration as exc:

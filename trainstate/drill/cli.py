@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
                         "and log the consumed sample ids; without it, no loader (batches from a generator)")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--wait-for-go", action="store_true", help="after building, wait for 'go' on stdin")
+    p.add_argument("--async-save", action="store_true",
+                   help="save with save(blocking=False): print 'staged <n>' when it returns, 'saved <n>' once published")
+    p.add_argument("--slow-fsync", type=int, default=0, metavar="MS", dest="slow_fsync_ms",
+                   help="a slower disk: every file fsync takes MS milliseconds longer (saves overlap training)")
     p.add_argument("--forget", choices=FORGET_CHOICES, default=None,
                    help="negative control: after restoring, reset this part to its fresh state")
     p = sub.add_parser("zygote", help="fork workers on request from the parent (see Zygote)")

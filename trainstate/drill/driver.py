@@ -114,14 +114,16 @@ def run_reference(cfg: DrillConfig, directory: Path, *, launcher: Spawner | None
         ready = child.go()
         started = done = None
         saves: list[float] = []
+        saving: dict[str, float] = {}  # by update: with --async-save, "saved" may follow a later "saving"
         while (line := child.next_line(deadline)) not in (None, _TIMEOUT):
-            word, now = line.partition(" ")[0], time.monotonic()
+            word, _, rest = line.partition(" ")
+            now = time.monotonic()
             if word == "training":
                 started = now
             elif word == "saving":
-                saving = now
+                saving[rest] = now
             elif word == "saved":
-                saves.append(now - saving)
+                saves.append(now - saving[rest])
             elif word == "done":
                 done = now
         if line is _TIMEOUT:
@@ -293,9 +295,14 @@ def _landed(lines: list[str], store: LocalStore, leftovers_before: set[str]) -> 
         return "during start-up or restore", False
     saving = [int(line.split()[1]) for line in lines if line.startswith("saving ")]
     saved = {int(line.split()[1]) for line in lines if line.startswith("saved ")}
+    staged = {int(line.split()[1]) for line in lines if line.startswith("staged ")}  # only with --async-save
     if not saving or saving[-1] in saved:
         return "during training", False
-    gen = generation_name(saving[-1])
+    update, waiting = saving[-1], ""
+    behind = sorted(staged - saved)
+    if update not in staged and behind:  # its save waited for a slot (backpressure) behind one still writing
+        update, waiting = behind[-1], f"; the save of update {saving[-1]} waiting for it"
+    gen = generation_name(update)
     new = set(store.leftovers()) - leftovers_before
     latest = _pointer_name(store)
     if latest == gen:
@@ -304,9 +311,13 @@ def _landed(lines: list[str], store: LocalStore, leftovers_before: set[str]) -> 
         phase = "committed, verifying; pointer not yet moved"
     elif any(n.startswith(f".trainstate-staging-{gen}-") for n in new):
         phase = "writing staged files"
+    elif update in staged:
+        phase = "staged in memory, not yet writing"
     else:
         phase = "capturing, before staging"
-    return f"in the save of update {saving[-1]} ({phase})", True
+    if update in staged:  # save(blocking=False) had returned: training went on while it was written
+        phase += f", in the background{waiting}"
+    return f"in the save of update {update} ({phase})", True
 
 
 def _pointer_name(store: LocalStore) -> str | None:

@@ -12,6 +12,13 @@ prefetching) over a small map-style dataset augmented per sample from
 redirect their output to ``D/loader-workers.log``; they inherit the open log,
 which lets the parent find any that outlive a kill
 (:func:`trainstate.drill.launch.processes_holding`).
+
+With ``--async-save`` every save is ``ckpt.save(state, blocking=False)``: the
+worker prints ``saving <n>``, ``staged <n>`` when the call returns and trains
+on while the generation is written, and ``saved <n>`` once it sees that save
+published (see :class:`_AsyncSaver`). ``--slow-fsync MS`` slows every file
+fsync, as a slow disk would, so that saves overlap several updates. Neither
+is part of the contract: such a run must end bitwise equal to a blocking one.
 """
 from __future__ import annotations
 
@@ -23,7 +30,9 @@ import math
 import os
 import random
 import sys
+import time
 import zlib
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +42,9 @@ from torch import nn
 from torch.utils.data import Dataset
 from .. import snapshot
 from ..errors import TrainStateError
+from ..asyncsave import SaveHandle
 from ..loader import ResumableLoader
+from ..localfs import LocalStore, PosixOps
 from ..manager import CheckpointManager
 from ..manifest import generation_name
 from ..samplerng import sample_generator
@@ -68,6 +79,11 @@ class DrillConfig:
     # None: batches drawn from a generator in the step (no loader). An int: batches come
     # from a ResumableLoader with that many DataLoader worker processes (0: in-process).
     loader_workers: int | None = None
+    # How the worker saves, not what it trains (neither is part of the contract, so a run saved in
+    # the background must end bitwise equal to a blocking one): ``save(blocking=False)``, and a
+    # slower disk (every file fsync takes this many milliseconds longer) so saves overlap training.
+    async_save: bool = False
+    slow_fsync_ms: int = 0
 
     def __post_init__(self) -> None:
         for name in ("total", "every", "width", "batch"):
@@ -75,17 +91,23 @@ class DrillConfig:
                 raise ValueError(f"DrillConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.loader_workers is not None and (type(self.loader_workers) is not int or self.loader_workers < 0):
             raise ValueError(f"DrillConfig.loader_workers must be None or an int >= 0, got {self.loader_workers!r}")
+        if type(self.async_save) is not bool:
+            raise ValueError(f"DrillConfig.async_save must be a bool, got {self.async_save!r}")
+        if type(self.slow_fsync_ms) is not int or self.slow_fsync_ms < 0:
+            raise ValueError(f"DrillConfig.slow_fsync_ms must be an int >= 0, got {self.slow_fsync_ms!r}")
 
     def argv(self) -> list[str]:
         loader = [] if self.loader_workers is None else ["--loader-workers", str(self.loader_workers)]
+        saving = (["--async-save"] if self.async_save else []) + (
+            ["--slow-fsync", str(self.slow_fsync_ms)] if self.slow_fsync_ms else [])
         return ["--total", str(self.total), "--every", str(self.every), "--seed", str(self.seed),
-                "--width", str(self.width), "--batch", str(self.batch), *loader]
+                "--width", str(self.width), "--batch", str(self.batch), *loader, *saving]
 
     def contract(self) -> dict[str, Any]:
         """The experiment contract. Without a loader exactly as before; the worker count is not part of it
-        (index-addressed augmentation makes the data independent of it)."""
+        (index-addressed augmentation makes the data independent of it), nor is how the worker saves."""
         config = asdict(self)
-        del config["loader_workers"]
+        del config["loader_workers"], config["async_save"], config["slow_fsync_ms"]
         if self.loader_workers is None:
             return {"config": config}
         return {"config": config, "data": {"dataset": "drill-synthetic-v1", "samples": dataset_size(self)}}
@@ -333,6 +355,49 @@ def _save(ckpt: CheckpointManager, state: TrainState) -> None:
     _say(f"saved {state.next_update}")
 
 
+class _AsyncSaver:
+    """``--async-save``: each save is ``ckpt.save(state, blocking=False)``, and training goes on while it is written.
+
+    Lines: ``saving <n>`` right before the call, ``staged <n>`` when it returns
+    (an owned copy exists; the live objects change from the next update on),
+    and ``saved <n>`` once the handle reports the generation published. The
+    worker looks after every update and every save (the writer publishes in
+    order), and waits for every save still in flight before its final probe. A
+    failed background save raises here, so the worker never reports it saved.
+    """
+
+    def __init__(self, ckpt: CheckpointManager):
+        self._ckpt = ckpt
+        self._pending: deque[tuple[int, SaveHandle]] = deque()
+
+    def save(self, state: TrainState) -> None:
+        _say(f"saving {state.next_update}")
+        handle = self._ckpt.save(state, blocking=False)  # waits here while max_in_flight saves are in flight
+        _say(f"staged {state.next_update}")
+        self._pending.append((state.next_update, handle))
+        self.poll()
+
+    def poll(self, block: bool = False) -> None:
+        while self._pending and (block or self._pending[0][1].done()):
+            update, handle = self._pending.popleft()
+            handle.wait()
+            _say(f"saved {update}")
+
+    def finish(self) -> None:
+        self.poll(block=True)
+
+
+class _SlowFsync(PosixOps):
+    """``--slow-fsync MS``: a slower disk, every file fsync taking MS milliseconds longer (then the real one)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def fsync(self, fd: int) -> None:
+        time.sleep(self.delay_s)
+        super().fsync(fd)
+
+
 def _write_json(path: Path, value: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
@@ -342,7 +407,8 @@ def _write_json(path: Path, value: Any) -> None:
 def worker_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    cfg = DrillConfig(args.total, args.every, args.seed, args.width, args.batch, args.loader_workers)
+    cfg = DrillConfig(args.total, args.every, args.seed, args.width, args.batch, args.loader_workers,
+                      bool(getattr(args, "async_save", False)), getattr(args, "slow_fsync_ms", 0) or 0)
     state = build(cfg, args.dir)
     loader: ResumableLoader | None = state.components.get("loader")
     fresh = _fresh_states(state) if args.forget else None
@@ -353,7 +419,9 @@ def worker_main(args: argparse.Namespace) -> int:
         _say("ready")
         if sys.stdin.readline().strip() != "go":
             return 3
-    with CheckpointManager(args.dir, keep_last=args.keep_last) as ckpt:
+    slow = {"store": LocalStore(args.dir, ops=_SlowFsync(cfg.slow_fsync_ms / 1000))} if cfg.slow_fsync_ms else {}
+    with CheckpointManager(args.dir, keep_last=args.keep_last, **slow) as ckpt:
+        saver = _AsyncSaver(ckpt) if cfg.async_save else None
         info = ckpt.restore(state)
         if info is None:
             _say("fresh")
@@ -376,10 +444,20 @@ def worker_main(args: argparse.Namespace) -> int:
             if ids_log is not None:
                 ids_log.entry(state.next_update, ids)
             _say(f"step {state.next_update}")
+            if saver is not None:
+                saver.poll()
             if state.next_update % cfg.every == 0:
-                _save(ckpt, state)
+                if saver is None:
+                    _save(ckpt, state)
+                else:
+                    saver.save(state)
         if state.parent != generation_name(state.next_update):
-            _save(ckpt, state)
+            if saver is None:
+                _save(ckpt, state)
+            else:
+                saver.save(state)
+        if saver is not None:
+            saver.finish()  # the final generation is published before the probe below
     draws = next_draws(state)
     record: dict[str, Any] = {"next_update": state.next_update, "draws": draws}
     if loader is not None:
