@@ -62,10 +62,10 @@ class FailingStore(LocalStore):
         staging = super().begin(generation)
         fail_at, real_write, real_commit = self.fail_at, staging.write, staging.commit
 
-        def write(file, chunks):
+        def write(file, chunks, **options):
             if fail_at == file:
                 raise OSError(errno.EIO, "injected I/O error", file)
-            return real_write(file, chunks)
+            return real_write(file, chunks, **options)
 
         def commit():
             if fail_at == "commit":

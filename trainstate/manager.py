@@ -331,7 +331,8 @@ class CheckpointManager:
         try:
             layout = tensorfile.plan(p.tensors)
             files = [staging.write(STATE, [snapshot.state_json(p.skeleton)]),
-                     staging.write(TENSORS, tensorfile.chunks(layout, p.tensors))]
+                     staging.write(TENSORS, tensorfile.chunks(layout, p.tensors),
+                                   stable=all(t.device.type == "cpu" for t in p.tensors.values()))]
             manifest = Manifest(
                 generation=p.name, kind=p.kind, next_update=p.next_update,
                 digest_algorithm=self.store.digest_algorithm, files=tuple(files),

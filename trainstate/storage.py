@@ -29,8 +29,12 @@ from .manifest import FileRecord
 class Staging(Protocol):
     generation: str
 
-    def write(self, file: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-        """Write one file from ``chunks``; return its size and digest once durable."""
+    def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False) -> FileRecord:
+        """Write one file from ``chunks``; return its size and digest once durable.
+
+        ``stable``: the chunks' memory stays unchanged until this returns, so
+        the backend may digest it after writing instead of beside the write.
+        """
 
     def commit(self) -> None:
         """Publish the staged files under the generation's final name, durably."""
