@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,6 +28,20 @@ import torch
 from .errors import TrainStateError
 
 log = logging.getLogger("trainstate")
+_WRITERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    """Finish every background save before interpreter shutdown stops thread pools from taking work.
+
+    Registered after ``concurrent.futures`` registers its own exit hook, so it
+    runs first: a save in flight at a normal exit is published, not failed.
+    """
+    for writer in list(_WRITERS):
+        writer.drain()
+
+
+threading._register_atexit(_drain_at_exit)  # private, but the only hook that runs early enough
 
 
 class AsyncSaveFailed(TrainStateError):
@@ -138,24 +153,35 @@ class Writer:
         self._slots.release()
 
     def submit(self, generation: str, buffers: StagingBuffers, job: Callable[[], Any]) -> SaveHandle:
+        handle: SaveHandle | None = None
+
+        def run() -> Any:
+            # The bookkeeping happens here, on the writer thread, before the future resolves: a waiter
+            # woken by the result must find the failure already recorded (done-callbacks run later).
+            failed: BaseException | None = None
+            try:
+                return job()
+            except BaseException as exc:
+                failed = exc
+                raise
+            finally:
+                with self._lock:  # submit holds it until `handle` exists
+                    self._in_flight.remove(handle)
+                    if failed is not None:
+                        self._unreported.append(handle)
+                        log.error("background save of %s failed: %r", generation, failed)
+                    self._pool.append(buffers)
+                self._slots.release()
+
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-writer")
-            future = self._executor.submit(job)
+                _WRITERS.add(self)
+            future = self._executor.submit(run)
             handle = SaveHandle(generation, future, self._mark_reported)
             self._in_flight.append(handle)
             self.high_water = max(self.high_water, len(self._in_flight))
-        future.add_done_callback(lambda f: self._finished(handle, buffers))
         return handle
-
-    def _finished(self, handle: SaveHandle, buffers: StagingBuffers) -> None:
-        with self._lock:
-            self._in_flight.remove(handle)
-            if handle._future.exception() is not None:
-                self._unreported.append(handle)
-                log.error("background save of %s failed: %r", handle.generation, handle._future.exception())
-            self._pool.append(buffers)
-        self._slots.release()
 
     def _mark_reported(self, handle: SaveHandle) -> None:
         with self._lock:
@@ -176,6 +202,11 @@ class Writer:
                 return
             handle = self._unreported[0]
         handle.wait()
+
+    def failures(self) -> list[tuple[str, BaseException | None]]:
+        """Unreported failures: (generation, original exception)."""
+        with self._lock:
+            return [(h.generation, h._future.exception()) for h in self._unreported]
 
     def unreported(self) -> list[str]:
         with self._lock:

@@ -317,10 +317,10 @@ class ResumableLoader:
         if (expected["epoch"], expected["cursor"], expected.get("ids_digest")) == (epoch, cursor, got):
             self._expected = None
             return
-        message = (f"the first batch after restore (epoch {epoch}, batch {cursor}, {len(ids)} samples) is not the "
-                   f"one the checkpoint recorded (epoch {expected['epoch']}, batch {expected['cursor']}, "
-                   f"{expected.get('size')} samples): the data pipeline changed (dataset, order, seed, batch size "
-                   "or world size)")
+        message = (f"the first batch after restore (epoch {epoch}, batch {cursor}, {len(ids)} samples, sample-id "
+                   f"fingerprint {got}) is not the one the checkpoint recorded (epoch {expected['epoch']}, batch "
+                   f"{expected['cursor']}, {expected.get('size')} samples, fingerprint {expected.get('ids_digest')}): "
+                   "the data pipeline changed (dataset, order, seed, batch size or world size)")
         if self.on_mismatch == "warn":
             self._expected = None
             self._warnings.append(message)

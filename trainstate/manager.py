@@ -49,11 +49,10 @@ TENSORS = "tensors.safetensors"
 def _report_at_exit(writer: Writer, directory: str) -> None:
     """Never lose a background failure silently, even if close() was never called."""
     writer.drain()
-    for generation in writer.unreported():
+    for generation, cause in writer.failures():
         message = (f"trainstate: background save of {generation} in {directory} failed and was never reported "
-                   "(close() or wait() was not called); it was not published")
-        log.error("%s", message)
-        print(message, file=sys.stderr)
+                   f"(close() or wait() was not called); it was not published. Cause: {cause!r}")
+        print(message, file=sys.stderr)  # printed, not logged: logging may already be shut down
 
 
 def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
@@ -143,6 +142,7 @@ class CheckpointManager:
         self.last_rejections: tuple[Rejection, ...] = ()
         self._clock = Clock()
         self._last_full_update: int | None = None
+        self._origin: int | None = None  # where the cadence started counting (first due() call)
         self._writer = Writer(max_in_flight)
         weakref.finalize(self, _report_at_exit, self._writer, str(directory))
         self._started: str | None = None  # last generation prepared (captured at a boundary)
@@ -199,7 +199,8 @@ class CheckpointManager:
         if blocking:
             self._writer.drain()  # publish in order behind any background save
             self._writer.raise_unreported()
-            info = self._publish(self._prepare(state, weights_only, include_grads, metrics))
+            pending = self._prepare(state, weights_only, include_grads, metrics)
+            info = self._publish_or_roll_back(pending, state)
             self._clock.saved(time.monotonic() - started)
             return info
         buffers = self._writer.acquire()  # backpressure: waits while max_in_flight saves are in flight
@@ -211,7 +212,7 @@ class CheckpointManager:
             self._writer.release_unused(buffers)
             raise
         self._staged = pending.name
-        handle = self._writer.submit(pending.name, buffers, lambda: self._publish(pending))
+        handle = self._writer.submit(pending.name, buffers, lambda: self._publish_or_roll_back(pending, state))
         self._clock.saved(time.monotonic() - started)  # the stall is what blocks training
         return handle
 
@@ -243,6 +244,16 @@ class CheckpointManager:
             state.parent = name  # the next generation descends from this one, even while it is being written
             self._last_full_update = state.next_update
         return pending
+
+    def _publish_or_roll_back(self, p: _Pending, state: TrainState) -> GenerationInfo:
+        """Publish; if that fails, the state again descends from what was actually published."""
+        try:
+            return self._publish(p)
+        except BaseException:
+            if p.kind == "full" and state.parent == p.name:
+                state.parent = p.parent
+                self._last_full_update = parse_generation_name(p.parent)[0] if p.parent else self._origin
+            raise
 
     def _publish(self, p: _Pending) -> GenerationInfo:
         """The publication protocol, from a prepared snapshot (on the caller's or the writer's thread)."""
@@ -401,9 +412,9 @@ class CheckpointManager:
         self._clock.boundary()
         interval = self._interval()
         since = self._last_full_update
-        if since is None:
-            since = state.next_update if state.parent is None else parse_generation_name(state.parent)[0]
-            self._last_full_update = since
+        if since is None:  # a fresh run starts one update before its first boundary; a resumed one at its generation
+            since = max(state.next_update - 1, 0) if state.parent is None else parse_generation_name(state.parent)[0]
+            self._last_full_update = self._origin = since
             if not self._clock.saves:
                 interval = self.cadence.first_after
         return state.next_update - since >= (interval or self.cadence.first_after)

@@ -86,8 +86,14 @@ class PreemptionHandler:
             self._timer.start()
 
     def _deadline(self, signum: int) -> None:
-        log.warning("no update boundary within the %.0f s grace period: terminating without saving", self.grace_s)
-        self._die(signum)
+        # On the timer thread: only the main thread may change handlers, so re-deliver the signal and let
+        # the main-thread handler treat it as the second one. If the main thread is stuck in native code
+        # and cannot run it, SIGKILL follows: a save cut short is still never visible.
+        log.warning("no update boundary within the %.3g s grace period: terminating without saving", self.grace_s)
+        os.kill(os.getpid(), signum)
+        fallback = threading.Timer(5.0, os.kill, (os.getpid(), signal.SIGKILL))
+        fallback.daemon = True
+        fallback.start()
 
     @staticmethod
     def _die(signum: int) -> None:

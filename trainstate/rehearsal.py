@@ -20,7 +20,7 @@ from typing import Any
 from . import contract as contract_mod
 from . import rng as rng_mod
 from . import snapshot
-from .errors import ContractMismatch, DataMismatch
+from .errors import ContractMismatch, DataMismatch, WeightsOnlyGeneration
 from .manifest import Manifest
 from .signing import SigningKey
 from .state import TrainState
@@ -44,12 +44,16 @@ def load_factory(spec: str) -> Factory:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"factory {spec!r} must look like 'module:function'")
-    if "" not in sys.path:
+    added = "" not in sys.path
+    if added:
         sys.path.insert(0, "")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load factory {spec!r}: {exc}") from exc
+    finally:
+        if added and "" in sys.path:
+            sys.path.remove("")
     if not callable(factory):
         raise ValueError(f"factory {spec!r} is not callable")
     return factory
@@ -67,6 +71,9 @@ def rehearse(store: Store, generation: str, factory: Factory, *, key: SigningKey
     data position's next-batch fingerprint with the manifest's.
     """
     verified, payload = load_verified(store, generation, key=key)
+    if verified.manifest.kind != "full":
+        raise WeightsOnlyGeneration(f"{generation} holds weights only: a restart cannot resume from it, so there is "
+                                    "nothing to rehearse; rehearse a full generation")
     saved_globals = rng_mod.capture({}, include_globals=True)
     try:
         fresh = factory()
@@ -99,8 +106,9 @@ def _rehearse(manifest: Manifest, payload: dict[str, Any], fresh: TrainState,
         if (got["epoch"], got["cursor"], got["next_batch"]) != (
                 position["epoch"], position["cursor"], position["next_batch"]):
             raise DataMismatch(f"{name}: the next batch of {component!r} after restore (epoch {got['epoch']}, "
-                               f"batch {got['cursor']}) is not the one recorded (epoch {position['epoch']}, batch "
-                               f"{position['cursor']}): the data pipeline changed")
+                               f"batch {got['cursor']}, sample-id fingerprint {got['next_batch']}) is not the one "
+                               f"recorded (epoch {position['epoch']}, batch {position['cursor']}, fingerprint "
+                               f"{position['next_batch']}): the data pipeline changed (dataset, order or sharding)")
     if manifest.data:
         checks.append("next-batch fingerprint")
     return Rehearsal(name, tuple(checks), tuple(warnings))
