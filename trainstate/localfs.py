@@ -44,6 +44,7 @@ LOCK_FILE = ".trainstate.lock"
 _PREFIX = ".trainstate-"
 _LEFTOVER_RE = re.compile(r"\.trainstate-(staging|trash|tmp)-[A-Za-z0-9._-]{1,80}-[0-9a-f]{16}")
 _LOCK_HOLDERS: weakref.WeakSet = weakref.WeakSet()
+_KEPT_COPIES_LIMIT = 64 << 20  # coalesced small-tensor copies held for digesting after the write
 
 
 def _drop_inherited_locks() -> None:
@@ -220,11 +221,18 @@ class LocalStaging:
         while the disk flushes. The digest is of the bytes handed to write().
         """
         kept: list[memoryview] = []
-        size = 0
+        size = copied = 0
         for view in views:
             _write_all(self._ops, fd, view)
             kept.append(view)
             size += len(view)
+            if isinstance(view.obj, bytearray):  # a coalesced copy of small tensors, not source memory
+                copied += len(view)
+                if copied > _KEPT_COPIES_LIMIT:  # bound the copies held: digest what is kept so far, in order
+                    for done in kept:
+                        hasher.update(done)
+                    kept.clear()
+                    copied = 0
         failure: list[BaseException] = []
 
         def sync() -> None:
