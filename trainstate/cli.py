@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (TrainStateError, OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, KeyError) and exc.args:
+            exc = ValueError(exc.args[0])  # KeyError's str() adds quotes
         if getattr(args, "json", False):
             print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
         else:

@@ -18,7 +18,7 @@ from .manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, par
 from .retention import Plan, Retention, best_generation, plan
 from .signing import SigningKey
 from .storage import Store
-from .verify import read_manifest, verify_generation
+from .verify import verify_generation
 
 log = logging.getLogger("trainstate")
 
@@ -84,11 +84,15 @@ class Lifecycle:
         return out
 
     def manifests(self, names: list[str]) -> dict[str, Manifest]:
-        """Every readable manifest among ``names`` (damaged ones are left out)."""
+        """The manifest of every generation among ``names`` whose structure verifies (no tensor data read).
+
+        Damaged ones are left out: never the best, never counted as an ancestor
+        (so kept, as evidence, and never filling a ``keep_last`` slot).
+        """
         out = {}
         for name in names:
             try:
-                out[name] = read_manifest(self.store, name, key=self.key)[0]
+                out[name] = verify_generation(self.store, name, content=False, key=self.key).manifest
             except CorruptGeneration:
                 continue
         return out

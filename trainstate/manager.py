@@ -55,6 +55,13 @@ def _report_at_exit(writer: Writer, directory: str) -> None:
         print(message, file=sys.stderr)  # printed, not logged: logging may already be shut down
 
 
+def _same_timeline(existing: list, ours: list) -> bool:
+    """Whether a generation with timeline record ``existing`` lies on the timeline ``ours`` continues."""
+    if not existing or not ours:
+        return True  # no record (older format, or weights-only): assume the same, the safe refusal
+    return existing[-1][0] == ours[-1][0]
+
+
 def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     out = {}
     for name, value in (metrics or {}).items():
@@ -258,7 +265,7 @@ class CheckpointManager:
     def _publish(self, p: _Pending) -> GenerationInfo:
         """The publication protocol, from a prepared snapshot (on the caller's or the writer's thread)."""
         self.store.lock()
-        self._make_room_for(p.name)
+        self._make_room_for(p.name, p.extra["lineage"])
         for leftover in self.store.clean_leftovers():
             log.info("removed leftover %s from an interrupted save", leftover)
         if self.preflight:
@@ -303,24 +310,45 @@ class CheckpointManager:
         if free < needed:
             raise InsufficientSpace(self.store.location, name, needed, free)
 
-    def _make_room_for(self, name: str) -> None:
-
+    def _make_room_for(self, name: str, lineage: list) -> None:
         """Decide what happens to an existing generation with the name about to be published.
 
-        The committed latest, when valid, is never replaced: saving the same update
-        twice is an error. A damaged one (restore fell back past it) is moved aside
-        under a name restore ignores, keeping the evidence. A valid generation that
-        the pointer does not name is an interrupted or abandoned publication of this
-        update; the new publication supersedes it.
+        A damaged one (restore fell back past it) is moved aside under a name
+        restore ignores, keeping the evidence. A pinned one is never replaced.
+        The committed latest is never replaced by the same timeline (saving
+        the same update twice is an error); one from a timeline this run
+        abandoned (it resumed from an older generation) is moved aside as
+        evidence. A valid generation that the pointer does not name is an
+        interrupted or abandoned publication of this update, superseded. The
+        latest weights-only generation is superseded too: weights-only files are
+        not restart protection, and a resumed run reaches their update again.
         """
         if name not in self.store.generations():
             return
-        committed = self._committed_name(parse_generation_name(name)[1])
+        kind = parse_generation_name(name)[1]
+        committed = self._committed_name(kind)
         try:
-            verify_generation(self.store, name, key=self.key)
+            existing = verify_generation(self.store, name, key=self.key).manifest
         except CorruptGeneration as exc:
             aside = self.store.set_aside(name, "rejected")
             log.warning("moved damaged %s aside to %s before publishing over it: %s", name, aside, exc)
+            return
+        try:
+            pinned = sorted(p for p, g in self.lifecycle.pins().items() if g == name)
+        except CorruptGeneration:
+            pinned = ["? (the pins file is unreadable)"]
+        if pinned:
+            raise GenerationExists(f"{name} exists and is pinned ({', '.join(pinned)}); a pinned generation is "
+                                   "never replaced. Unpin it first, or save at another update.")
+        if kind == "weights" and committed == name:
+            log.warning("replacing %s, the latest weights-only generation: the run resumed from an earlier full "
+                        "generation and reached this update again", name)
+            self.store.remove(name)
+            return
+        if kind == "full" and not _same_timeline(existing.lineage, lineage):
+            aside = self.store.set_aside(name, "abandoned")
+            log.warning("moved %s aside to %s: it belongs to a timeline this run abandoned when it resumed from an "
+                        "older generation", name, aside)
             return
         if committed is None or committed == name:
             raise GenerationExists(
@@ -364,7 +392,7 @@ class CheckpointManager:
         try:
             self.lifecycle.prune(self.retention, anchors)
         except CorruptGeneration as exc:  # a damaged pins file: prune nothing rather than guess what it pinned
-            log.error("not pruning: %s. Fix or remove the pins file (trainstate pin re-creates it)", exc)
+            log.error("not pruning: %s. Remove the damaged pins file, then pin again what should be kept", exc)
 
     # retention ---------------------------------------------------------------
     def plan(self) -> Plan:
