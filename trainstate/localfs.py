@@ -32,7 +32,7 @@ import threading
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -181,6 +181,30 @@ def _hash_while_writing(ops: PosixOps, fd: int, views: Iterable[memoryview], has
     return size
 
 
+def _fsync_beside(ops: PosixOps, fd: int, work: Callable[[], None]) -> None:
+    """Run ``work`` on this thread while ``fd`` is fsynced on another; raise the fsync's error, if any.
+
+    The fsync is mostly waiting for the disk, which is when digesting costs nothing.
+    A failed fsync is raised, never retried.
+    """
+    failure: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            ops.fsync(fd)
+        except BaseException as exc:  # re-raised below, on the caller's thread
+            failure.append(exc)
+
+    syncer = threading.Thread(target=sync, name="trainstate-fsync")
+    syncer.start()
+    try:
+        work()
+    finally:
+        syncer.join()
+    if failure:
+        raise failure[0]
+
+
 def _write_all(ops: PosixOps, fd: int, data: memoryview) -> None:
     while data:
         written = ops.write(fd, data)
@@ -233,44 +257,23 @@ class LocalStaging:
                         hasher.update(done)
                     kept.clear()
                     copied = 0
-        failure: list[BaseException] = []
-
-        def sync() -> None:
-            try:
-                self._ops.fsync(fd)
-            except BaseException as exc:  # re-raised below, on the caller's thread
-                failure.append(exc)
-
-        syncer = threading.Thread(target=sync, name="trainstate-fsync")
-        syncer.start()
-        try:
+        def digest_kept() -> None:
             for view in kept:
                 hasher.update(view)
-        finally:
-            syncer.join()
-        if failure:
-            raise failure[0]
+
+        _fsync_beside(self._ops, fd, digest_kept)
         return size
 
     def _sync_and_read_back(self, fd: int, file: str, size: int, digest: str) -> None:
         """fsync ``fd`` while re-reading the file to check what landed in it."""
-        failure: list[BaseException] = []
+        got: list[tuple[int, str]] = []
 
-        def sync() -> None:
-            try:
-                self._ops.fsync(fd)
-            except BaseException as exc:  # re-raised below, on the caller's thread
-                failure.append(exc)
-
-        syncer = threading.Thread(target=sync, name="trainstate-fsync")
-        syncer.start()
-        try:
+        def read_back() -> None:
             with open_regular(self.path / file) as stream:
-                read_size, read_digest = digest_stream(stream, self._store.digest_algorithm)
-        finally:
-            syncer.join()
-        if failure:
-            raise failure[0]
+                got.append(digest_stream(stream, self._store.digest_algorithm))
+
+        _fsync_beside(self._ops, fd, read_back)
+        read_size, read_digest = got[0]
         if (read_size, read_digest) != (size, digest):
             raise TrainStateError(
                 f"read-back of staged {file} for {self.generation} does not match what was written "
