@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import FieldChange, UnsupportedValue
+from .errors import ContractMismatch, FieldChange, UnsupportedValue
 
 _ABSENT = "<absent>"
 
@@ -107,6 +107,17 @@ def _diff_architecture(path: str, old: list, new: list, out: list[FieldChange]) 
 def allowed(change: FieldChange, allow: Iterable[str]) -> bool:
     """True if ``change.field`` equals an allowed name or lies beneath one."""
     return any(change.field == a or change.field.startswith(a + ".") for a in allow)
+
+
+def check(saved: Mapping[str, Any], live: Mapping[str, Any], generation: str,
+          allow: Iterable[str] = ()) -> list[FieldChange]:
+    """Every change between the saved and live contracts; raise ContractMismatch unless each is allowed."""
+    allow = list(allow)
+    changes = compare(saved, live)
+    refused = [c for c in changes if not allowed(c, allow)]
+    if refused:
+        raise ContractMismatch(generation, refused)
+    return changes
 
 
 def digest(fields: Mapping[str, Any]) -> str:

@@ -132,20 +132,26 @@ class Lifecycle:
         names = self.store.generations()
         anchors = dict(self.anchors() if anchors is None else anchors)
         manifests = self.manifests(names)
-        best = best_generation({n: m.metrics for n, m in manifests.items()}, policy.best)
         return plan(names, policy=policy, newest=anchors, lineage=self.lineage(anchors.get("full"), manifests),
-                    pins=self.pins(), best=best)
+                    pins=self.pins(), best=self._best(policy, manifests))
+
+    def best(self, policy: Retention) -> str | None:
+        """The generation with the best value of the policy's metric, among those whose structure verifies."""
+        return self._best(policy, self.manifests(self.store.generations()))
+
+    @staticmethod
+    def _best(policy: Retention, manifests: Mapping[str, Manifest]) -> str | None:
+        return best_generation({n: m.metrics for n, m in manifests.items()}, policy.best)
 
     def prune(self, policy: Retention, anchors: Mapping[str, str | None] | None = None, *,
               dry_run: bool = False) -> Plan:
         """Remove what the plan prunes (nothing with ``dry_run``); returns the plan."""
         with self.store.exclusive("pins"):
             decided = self.plan(policy, anchors)
-            for decision in decided.decisions:
-                if decision.keep and any(r.startswith("not an ancestor") or r.startswith("newer than")
-                                         for r in decision.reasons) and not dry_run:
-                    log.warning("kept %s: %s", decision.generation, "; ".join(decision.reasons))
             if not dry_run:
+                for decision in decided.decisions:
+                    if decision.left_for_a_human:
+                        log.warning("kept %s: %s", decision.generation, "; ".join(decision.reasons))
                 for name in decided.prune:
                     self.store.remove(name)
         return decided

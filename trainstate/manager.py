@@ -25,9 +25,8 @@ from typing import Any
 from . import cadence as cadence_mod
 from .cadence import Cadence, Clock
 from . import contract as contract_mod
-from . import rng as rng_mod
 from . import signing, snapshot, tensorfile
-from .errors import (ContractMismatch, CorruptGeneration, FieldChange, GenerationExists, InsufficientSpace,
+from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace,
                      NoValidGeneration, PendingGradients, Rejection, StateMismatch, WeightsOnlyGeneration)
 from .asyncsave import SaveHandle, Writer
 from .lifecycle import Lifecycle, new_timeline
@@ -417,10 +416,7 @@ class CheckpointManager:
 
     def best(self) -> str | None:
         """The best generation by the retention policy's metric (an evaluation artifact, not the resume point)."""
-        if self.retention.best is None:
-            return None
-        reasons = [d for d in self.plan().decisions if any(r.startswith("best ") for r in d.reasons)]
-        return reasons[0].generation if reasons else None
+        return self.lifecycle.best(self.retention) if self.retention.best else None
 
     def rehearse(self, factory: Factory, generation: str | None = None) -> Rehearsal:
         """Restore ``generation`` (default: latest) into ``factory()``'s fresh objects, touching nothing live."""
@@ -500,11 +496,13 @@ class CheckpointManager:
             return None
         verified, payload, previewed = chosen
         name = verified.manifest.generation
-        accepted = self._check_contract(state, payload, name, allow)
+        accepted = contract_mod.check(payload["contract"]["fields"], state.contract_fields(), name, allow)
         snapshot.check_components(state, payload, name)
-        if previewed:
-            payload = self._load_in_place(state, verified, payload, rng_statistical_cuda)
-        warnings = snapshot.apply(state, payload, statistical_cuda=rng_statistical_cuda)
+        checked = None
+        if previewed:  # every check on the preview, then the second pass writes into live tensors
+            checked = snapshot.check_before_load(state, payload, statistical_cuda=rng_statistical_cuda)
+            payload = self._load_in_place(state, verified)
+        warnings = snapshot.apply(state, payload, statistical_cuda=rng_statistical_cuda, checked=checked)
         if accepted:
             state.history.append({"event": "contract_change", "restored_from": name,
                                   "next_update": state.next_update,
@@ -548,15 +546,8 @@ class CheckpointManager:
             preview = sum(f.size for f in manifest.files if f.name.endswith(".safetensors")) > IN_PLACE_BYTES
         return verified, decode_verified(self.store, manifest, preview=preview), preview
 
-    def _load_in_place(self, state: TrainState, verified: Verified, preview: dict[str, Any],
-                       statistical_cuda: bool) -> dict[str, Any]:
+    def _load_in_place(self, state: TrainState, verified: Verified) -> dict[str, Any]:
         """Second pass of an in-place restore: everything already verified and checked against the live objects."""
-        rng_mod.validate(preview.get("rng", {}), state.rngs, statistical_cuda=statistical_cuda)
-        snapshot.check_grads(state, preview)
-        for name, component in state.components.items():
-            check = getattr(component, "check_state_dict", None)
-            if callable(check):
-                check(preview["components"][name]["state"])
         try:
             return decode_verified(self.store, verified.manifest, into=snapshot.destinations(state))
         except CorruptGeneration as exc:
@@ -610,14 +601,6 @@ class CheckpointManager:
         if pointer.kind != "full":
             return None, "names a weights-only generation"
         return pointer, None
-
-    def _check_contract(self, state: TrainState, payload: dict[str, Any], name: str,
-                        allow: list[str]) -> list[FieldChange]:
-        changes = contract_mod.compare(payload["contract"]["fields"], state.contract_fields())
-        refused = [c for c in changes if not contract_mod.allowed(c, allow)]
-        if refused:
-            raise ContractMismatch(name, refused)
-        return changes
 
     # inspection --------------------------------------------------------------
     def latest(self) -> str | None:

@@ -20,7 +20,7 @@ from typing import Any
 from . import contract as contract_mod
 from . import rng as rng_mod
 from . import snapshot
-from .errors import ContractMismatch, DataMismatch, WeightsOnlyGeneration
+from .errors import DataMismatch, WeightsOnlyGeneration
 from .manifest import Manifest
 from .signing import SigningKey
 from .state import TrainState
@@ -88,10 +88,7 @@ def _rehearse(manifest: Manifest, payload: dict[str, Any], fresh: TrainState,
               allow_changes: tuple[str, ...]) -> Rehearsal:
     name = manifest.generation
     checks = ["digests"]
-    changes = contract_mod.compare(payload["contract"]["fields"], fresh.contract_fields())
-    refused = [c for c in changes if not contract_mod.allowed(c, allow_changes)]
-    if refused:
-        raise ContractMismatch(name, refused)
+    contract_mod.check(payload["contract"]["fields"], fresh.contract_fields(), name, allow_changes)
     checks.append("contract")
     snapshot.check_components(fresh, payload, name)
     checks += ["components", "shapes and dtypes", "optimizer pairing"]

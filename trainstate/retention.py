@@ -63,6 +63,7 @@ class Decision:
     generation: str
     keep: bool
     reasons: tuple[str, ...]
+    left_for_a_human: bool = False  # kept only as another timeline's or an interrupted run's leftover
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ def plan(names: Collection[str], *, policy: Retention, newest: Mapping[str, str 
     decisions = []
     for update, kind, name in parsed:
         reasons = []
+        leftover = False
         anchor = newest.get(kind)
         top = parse_generation_name(anchor) if anchor else None
         if top is None:
@@ -124,8 +126,10 @@ def plan(names: Collection[str], *, policy: Retention, newest: Mapping[str, str 
             reasons.append("newest: the recovery point" if kind == "full" else "newest weights-only")
         elif update > top[0]:
             reasons.append(f"newer than the newest verified {kind} generation (interrupted or abandoned run)")
+            leftover = True
         elif kind == "full" and lineage is not None and name not in lineage:
             reasons.append("not an ancestor of the newest (skipped by restore, or an abandoned timeline)")
+            leftover = True
         elif counted[kind] < policy.keep_for(kind) - 1:
             reasons.append(f"last {policy.keep_for(kind)}")
         if top is not None and name != anchor and update < top[0] and (
@@ -138,5 +142,5 @@ def plan(names: Collection[str], *, policy: Retention, newest: Mapping[str, str 
         if name == best and policy.best:
             reasons.append(f"best {policy.best[0]} ({policy.best[1]})")
         decisions.append(Decision(name, bool(reasons), tuple(reasons) or (
-            f"older than the last {policy.keep_for(kind)} {kind} generations",)))
+            f"older than the last {policy.keep_for(kind)} {kind} generations",), leftover and len(reasons) == 1))
     return Plan(tuple(decisions))

@@ -126,21 +126,34 @@ def _check_module(name: str, module: torch.nn.Module, saved: object, generation:
                                 f"this run has {tuple(tensor.shape)} {tensor.dtype}")
 
 
+def check_before_load(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool = False) -> list[str]:
+    """Every check that must pass before the first live object changes; returns RNG warnings.
+
+    The RNG record (validated on scratch generators), saved gradients, and
+    each component's optional ``check_state_dict``. Works on a preview payload
+    (meta tensors) too.
+    """
+    warnings = rng_mod.validate(payload.get("rng", {}), state.rngs, statistical_cuda=statistical_cuda)
+    check_grads(state, payload)
+    for name, component in state.components.items():
+        check = getattr(component, "check_state_dict", None)
+        if callable(check):
+            check(payload["components"][name]["state"])
+    return warnings
+
+
 def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool = False,
-          apply_rng: bool = True) -> list[str]:
+          apply_rng: bool = True, checked: list[str] | None = None) -> list[str]:
     """Load a decoded, verified, contract-checked payload into the live state.
 
     Returns warnings. Order: components (registration order), gradients,
     clocks, and RNG last. With ``apply_rng=False`` the RNG record is
     validated but no generator changes (a rehearsal in a live process).
+    ``checked``: the warnings of a :func:`check_before_load` the caller already ran.
     """
     rng_saved = payload.get("rng", {})
-    warnings = rng_mod.validate(rng_saved, state.rngs, statistical_cuda=statistical_cuda)  # before anything loads
-    check_grads(state, payload)
-    for name, component in state.components.items():
-        check = getattr(component, "check_state_dict", None)  # optional: refuse before anything loads
-        if callable(check):
-            check(payload["components"][name]["state"])
+    warnings = checked if checked is not None else check_before_load(state, payload,
+                                                                      statistical_cuda=statistical_cuda)
     for name, component in state.components.items():
         saved = payload["components"][name]["state"]
         try:

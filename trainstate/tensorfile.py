@@ -248,13 +248,8 @@ def skip_tensor(stream: BinaryIO, layout: Layout, entry: Entry, where: str, chun
 
 def read_tensor(stream: BinaryIO, layout: Layout, entry: Entry, where: str) -> torch.Tensor:
     """Read one entry into a freshly allocated CPU tensor (one copy, no pickle)."""
-    buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
-    stream.seek(layout.data_start + entry.begin)
-    view = memoryview(buffer.numpy())
-    got = 0
-    while got < entry.nbytes:
-        n = stream.readinto(view[got:])
-        if not n:
-            raise CorruptGeneration(where, f"file ends inside tensor {entry.name!r:.80}")
-        got += n
-    return buffer.view(entry.dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=entry.dtype)
+    if not entry.nbytes:
+        stream.seek(layout.data_start + entry.begin)
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    buffer = read_tensor_into(stream, layout, entry, where, torch.empty(entry.nbytes, dtype=torch.uint8))
+    return buffer.view(entry.dtype).reshape(entry.shape)
