@@ -50,18 +50,19 @@ from pathlib import Path
 import torch
 
 import trainstate as ts
-from trainstate.digest import digest_bytes
-from trainstate.lifecycle import Lifecycle
-from trainstate.localfs import LocalStore
-from trainstate.manifest import (
+from trainstate.format.digest import digest_bytes
+from trainstate.lifecycle.generations import Lifecycle
+from trainstate.storage.local import LocalStore
+from trainstate.format import signing  # noqa: E402
+from trainstate.format.manifest import (
     MANIFEST,
     STATE,
     FileRecord,
     generation_name,
     parse_generation_name,
 )
-from trainstate.retention import Retention
-from trainstate.verify import read_manifest
+from trainstate.lifecycle.retention import Retention
+from trainstate.storage.verify import read_manifest
 
 TENSORS = "tensors.safetensors"
 HALF = Retention(keep_last=10, milestone_every=2, best=("val", "min"))
@@ -172,7 +173,7 @@ def tensor_opens(counts: Counter) -> int:
 
 def measure(master: Path, work: Path, rounds: int, policy: Retention = HALF) -> dict:
     """Time the three methods in interleaved rounds; count opens; check what the real prune removed."""
-    key = ts.signing.resolve(None, master)
+    key = signing.resolve(None, master)
     expected = Lifecycle(LocalStore(master, create=False), key).plan(policy)
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     opens: Counter = Counter()

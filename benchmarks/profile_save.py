@@ -51,7 +51,10 @@ import blake3  # noqa: E402
 
 import trainstate as ts  # noqa: E402
 from bench_save import CHUNK, build, byte_views, fsync_dir, remove, settle  # noqa: E402
-from trainstate import digest, localfs, manager, snapshot, tensorfile, verify  # noqa: E402
+from trainstate import publish, restore  # noqa: E402
+from trainstate.format import digest, tensorfile  # noqa: E402
+from trainstate.storage import local as localfs, verify  # noqa: E402
+from trainstate.state import snapshot  # noqa: E402
 
 SYNC_FILE_RANGE_WRITE = 2
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -104,14 +107,13 @@ def instrument() -> tuple[Clock, list[str]]:
         (localfs.LocalStaging, "_sync_and_read_back", "fsync || read-back, wall"),
         (localfs.LocalStaging, "commit", "commit: fsync staging dir, rename, fsync run dir"),
         (verify, "digest_stream", "verify: re-read + hash (post-commit / old restore)"),
-        (manager, "verify_generation", "verify_generation, wall (post-commit / old restore)"),
-        (manager, "load_verified", "restore: load_verified (one read, digest beside it), wall"),
-        (manager, "load_payload", "restore: load_payload (read tensors into new buffers), wall"),
+        (publish, "verify_generation", "verify_generation, wall (post-commit)"),
+        (restore, "decode_verified", "restore: decode_verified (one read, digest beside it), wall"),
         (tensorfile, "read_tensor", "restore: read_tensor (readinto fresh tensors)"),
         (snapshot, "check_components", "restore: check_components"),
         (snapshot, "apply", "restore: apply (load_state_dict copies)"),
         (localfs.LocalStore, "write_pointer", "pointer write"),
-        (manager.CheckpointManager, "_prune", "prune"),
+        (publish.Publisher, "prune", "prune"),
     ]
     ops = getattr(localfs, "PosixOps", None)
     if ops is not None:  # newer library: every fsync goes through PosixOps
@@ -129,7 +131,7 @@ def instrument() -> tuple[Clock, list[str]]:
 
 
 class FsyncShim:
-    """Stands in for the ``os`` module inside an older trainstate.localfs, timing fsync by what it syncs."""
+    """Stands in for the ``os`` module inside an older trainstate.storage.local, timing fsync by what it syncs."""
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 import trainstate as ts
-from trainstate.localfs import LocalStore
-from trainstate.verify import verify_generation
+from trainstate.storage.local import LocalStore
+from trainstate.storage.verify import verify_generation
 
 
 class Weights:

@@ -40,7 +40,8 @@ TARGETS = ("parse_header", "parse_manifest", "parse_pointer", "codec.decode")
 
 def check_one(data: bytes) -> None:
     """Feed one input to the target its first byte names; let only refusals pass."""
-    from trainstate import TrainStateError, codec, manifest, tensorfile
+    from trainstate import TrainStateError
+    from trainstate.format import codec, manifest, tensorfile
 
     import torch
 
@@ -112,9 +113,9 @@ def main(argv: list[str]) -> None:
     except ImportError:
         raise SystemExit("atheris is not installed: pip install atheris (this harness is not part of CI)") from None
     with atheris.instrument_imports(include=["trainstate"]):
-        import trainstate.codec  # noqa: F401  (instrumented before check_one imports them)
-        import trainstate.manifest  # noqa: F401
-        import trainstate.tensorfile  # noqa: F401
+        import trainstate.format.codec  # noqa: F401  (instrumented before check_one imports them)
+        import trainstate.format.manifest  # noqa: F401
+        import trainstate.format.tensorfile  # noqa: F401
     atheris.Setup(argv, check_one)
     atheris.Fuzz()
 

@@ -27,7 +27,7 @@ import blake3
 import torch
 from hypothesis import strategies as st
 
-from trainstate import tensorfile
+from trainstate.format import tensorfile
 
 G1, G2, G3 = (f"gen-{u:012d}" for u in (1, 2, 3))
 MANIFEST, POINTER = "manifest.json", "latest"

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainstate.localfs import PosixOps
+from trainstate.storage.local import PosixOps
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainstate as ts  # noqa: E402
-from trainstate.localfs import LocalStore  # noqa: E402
-from trainstate.manifest import generation_name  # noqa: E402
+from trainstate.storage.local import LocalStore  # noqa: E402
+from trainstate.format.manifest import generation_name  # noqa: E402
 from trainer import build  # noqa: E402
 
 WAIT_LIMIT_S = 30.0

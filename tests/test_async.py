@@ -47,14 +47,14 @@ import torch
 from trainer import assert_same, build, full_state, step
 
 import trainstate as ts
-import trainstate.manager as manager_mod
-from trainstate import rng as rng_mod
+import trainstate.publish as publish_mod
+from trainstate.state import rng as rng_mod
 from trainstate.asyncsave import StagingBuffers
-from trainstate.codec import TensorTable, encode
+from trainstate.format.codec import TensorTable, encode
 from trainstate.errors import CorruptGeneration
-from trainstate.localfs import LocalStore, PosixOps
-from trainstate.manifest import POINTER, generation_name, parse_pointer
-from trainstate.verify import verify_generation
+from trainstate.storage.local import LocalStore, PosixOps
+from trainstate.format.manifest import POINTER, generation_name, parse_pointer
+from trainstate.storage.verify import verify_generation
 
 TESTS = Path(__file__).resolve().parent
 _STAGING_RE = re.compile(r"\.trainstate-staging-(gen-\d{12}(?:-weights)?)-[0-9a-f]{16}")
@@ -546,7 +546,7 @@ def test_a_background_failure_is_raised_exactly_once(tmp_path, monkeypatch, phas
         step(state)
         target = generation_name(state.next_update)
         if phase == "verify":
-            real = manager_mod.verify_generation
+            real = publish_mod.verify_generation
 
             def verify(store, name, *args, **kwargs):
                 if name == target and ops.injected is None:
@@ -554,7 +554,7 @@ def test_a_background_failure_is_raised_exactly_once(tmp_path, monkeypatch, phas
                     raise ops.injected
                 return real(store, name, *args, **kwargs)
 
-            monkeypatch.setattr(manager_mod, "verify_generation", verify)
+            monkeypatch.setattr(publish_mod, "verify_generation", verify)
         else:
             ops.target = target
         handle = ckpt.save(state, blocking=False)
@@ -695,8 +695,8 @@ import errno, json, sys, time
 sys.path[:0] = [sys.argv[3]]
 from pathlib import Path
 import trainstate as ts
-from trainstate.localfs import LocalStore, PosixOps
-from trainstate.manifest import generation_name
+from trainstate.storage.local import LocalStore, PosixOps
+from trainstate.format.manifest import generation_name
 from test_async import make, snapshot, digest, staging_generation, mutate_everything
 from trainer import step
 

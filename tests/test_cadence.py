@@ -9,7 +9,7 @@ import time
 import pytest
 
 import trainstate as ts
-from trainstate import cadence
+from trainstate.lifecycle import cadence
 from trainstate.cli import main as cli_main
 from trainer import build, step
 

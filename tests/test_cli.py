@@ -19,8 +19,9 @@ import pytest
 
 import trainer
 import trainstate as ts
-from trainstate import cli, tensorfile
-from trainstate.localfs import LocalStore
+from trainstate import cli
+from trainstate.format import tensorfile
+from trainstate.storage.local import LocalStore
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

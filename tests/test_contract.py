@@ -93,7 +93,7 @@ def test_versions_recorded_not_enforced(tmp_path):
     payload = json.loads((tmp_path / "gen-000000000003" / "state.json").read_text())
     assert set(payload["contract"]["versions"]) == {"trainstate", "torch", "numpy", "python"}
     payload["contract"]["versions"]["torch"] = "0.0.1"  # would need re-digesting; check compare ignores versions
-    from trainstate.contract import compare
+    from trainstate.state.contract import compare
     assert compare(payload["contract"]["fields"], build().contract_fields()) == []
 
 

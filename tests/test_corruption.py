@@ -251,10 +251,8 @@ GEN_DAMAGES: dict[str, GenDamage] = {
 
 
 def gen_damage_params(scopes=("latest", "all")):
-    for name, damage in GEN_DAMAGES.items():
-        for scope in scopes:
-            marks = []
-            yield pytest.param(damage, scope, id=f"{name}-{scope}", marks=marks)
+    return [pytest.param(damage, scope, id=f"{name}-{scope}")
+            for name, damage in GEN_DAMAGES.items() for scope in scopes]
 
 
 def apply_gen_damage(run: Path, damage: GenDamage, scope: str) -> tuple[str, ...]:

@@ -22,10 +22,10 @@ import torch
 import trainstate as ts
 from crashfs import Link, RecordingOps, Sync, Unlink, crash_state, explore, swapped
 from trainer import build, full_state, step
-from trainstate import rng
-from trainstate.codec import TensorTable, encode
-from trainstate.localfs import LocalStore
-from trainstate.verify import verify_generation
+from trainstate.state import rng
+from trainstate.format.codec import TensorTable, encode
+from trainstate.storage.local import LocalStore
+from trainstate.storage.verify import verify_generation
 
 SAMPLES = int(os.environ.get("TRAINSTATE_CRASH_SAMPLES", "2000"))
 SEED = int(os.environ.get("TRAINSTATE_CRASH_SEED", "20261202"))

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trainstate as ts
-from trainstate import tensorfile
-from trainstate.codec import TensorTable, decode, encode
-from trainstate.manifest import FileRecord, Manifest, Pointer, parse_manifest, parse_pointer
+from trainstate.format import tensorfile
+from trainstate.format.codec import TensorTable, decode, encode
+from trainstate.format.manifest import FileRecord, Manifest, Pointer, parse_manifest, parse_pointer
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -71,7 +71,7 @@ from hypothesis import strategies as st
 
 import trainer
 import trainstate as ts
-from trainstate import codec, manifest, tensorfile
+from trainstate.format import codec, manifest, tensorfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for fuzz/
 from fuzz import atheris_reader  # noqa: E402
@@ -648,7 +648,7 @@ def test_bug_empty_tensor_with_overflowing_shape():
 
 DTYPE_IMPORT = """
 import sys, time, trainstate
-from trainstate import codec, tensorfile
+from trainstate.format import codec, tensorfile
 start = time.perf_counter()
 for call in (lambda: tensorfile.torch_dtype("_inductor", "x"), lambda: codec.decode({"$dtype": "_inductor"}, "x", {})):
     try:

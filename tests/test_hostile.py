@@ -37,7 +37,8 @@ import torch
 
 import trainer
 import trainstate as ts
-from trainstate import cli, tensorfile
+from trainstate import cli
+from trainstate.format import tensorfile
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

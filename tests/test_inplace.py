@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import trainstate as ts
-import trainstate.manager as manager_mod
+import trainstate.restore as restore_mod
 from trainer import assert_same, build, full_state, next_draws, step
 
 
@@ -133,14 +133,14 @@ def test_refusals_happen_before_any_live_byte_changes(tmp_path, problem):
 
 def test_generation_changed_between_passes_is_reported(tmp_path, monkeypatch):
     _saved_at_5(tmp_path)
-    real = manager_mod.decode_verified
+    real = restore_mod.decode_verified
 
     def tamper_then_load(store, manifest, component=None, *, preview=False, into=None):
         if into is not None:
             _damage_tensors(tmp_path, manifest.generation)  # after the verifying pass, before the loading one
         return real(store, manifest, component, preview=preview, into=into)
 
-    monkeypatch.setattr(manager_mod, "decode_verified", tamper_then_load)
+    monkeypatch.setattr(restore_mod, "decode_verified", tamper_then_load)
     live = build(seed=99)
     with ts.CheckpointManager(tmp_path) as ckpt, pytest.raises(ts.StateMismatch, match="changed on disk"):
         ckpt.restore(live, in_place=True)
@@ -148,7 +148,7 @@ def test_generation_changed_between_passes_is_reported(tmp_path, monkeypatch):
 
 def test_auto_mode_switches_on_size(tmp_path, monkeypatch):
     _saved_at_5(tmp_path)
-    monkeypatch.setattr(manager_mod, "IN_PLACE_BYTES", 0)
+    monkeypatch.setattr(restore_mod, "IN_PLACE_BYTES", 0)
     live = build(seed=99)
     step(live)
     before = _pointers(live)

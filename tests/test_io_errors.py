@@ -22,9 +22,9 @@ import pytest
 import trainstate as ts
 from test_crash_states import fingerprint, make_state
 from trainer import step
-from trainstate import rng
-from trainstate.localfs import LocalStore, PosixOps
-from trainstate.verify import verify_generation
+from trainstate.state import rng
+from trainstate.storage.local import LocalStore, PosixOps
+from trainstate.storage.verify import verify_generation
 
 OPS = ("mkdir", "create", "write", "fsync", "close", "fsync_dir", "rename", "replace", "unlink", "rmtree")
 

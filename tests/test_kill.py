@@ -29,7 +29,7 @@ import torch
 
 from trainstate.drill import (Comparison, DrillConfig, DrillReport, KillPlan, Spawner, Timing, Zygote, check_visible,
                               compare_runs, compare_values, run_interrupted, run_reference)
-from trainstate.localfs import LocalStore
+from trainstate.storage.local import LocalStore
 
 pytestmark = pytest.mark.slow
 

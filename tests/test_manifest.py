@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainstate.errors import CorruptGeneration
-from trainstate.manifest import (FileRecord, Manifest, Pointer, _self_digest, generation_name, newest_first,
+from trainstate.format.manifest import (FileRecord, Manifest, Pointer, _self_digest, generation_name, newest_first,
                                  parse_generation_name, parse_manifest, parse_pointer)
-from trainstate.retention import Retention, best_generation, plan
+from trainstate.lifecycle.retention import Retention, best_generation, plan
 
 MANIFEST = Manifest("gen-000000000042", "full", 42, "blake3",
                     (FileRecord("state.json", 10, "ab" * 32), FileRecord("tensors.safetensors", 20, "cd" * 32)),

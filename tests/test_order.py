@@ -1,4 +1,4 @@
-"""Pure ordering logic (trainstate.order) and index-addressed randomness (trainstate.samplerng).
+"""Pure ordering logic (trainstate.data.order) and index-addressed randomness (trainstate.data.samplerng).
 
 Property tests with hypothesis, a comparison with ``DistributedSampler``, and
 golden values: the order of an epoch and the per-sample seeds must never
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from torch.utils.data.distributed import DistributedSampler
 
 import trainstate as ts
-from trainstate.order import ORDER_ALGORITHM, Plan, epoch_order, ids_digest
-from trainstate.samplerng import SampleIndex, sample_seed
+from trainstate.data.order import ORDER_ALGORITHM, Plan, epoch_order, ids_digest
+from trainstate.data.samplerng import SampleIndex, sample_seed
 
 # Reproducible (derandomized), no example database, no deadline on shared CPUs; as in test_fuzz.py.
 PROPERTY = settings(max_examples=100, deadline=None, derandomize=True, database=None,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import trainstate as ts
-from trainstate.localfs import LocalStore
+from trainstate.storage.local import LocalStore
 from trainer import assert_same, build, full_state, step
 
 
@@ -163,8 +163,8 @@ def test_same_update_twice_is_refused_for_latest_and_replaces_an_orphan(tmp_path
 
 
 def _pointer_for(directory: Path, name: str) -> bytes:
-    from trainstate.digest import digest_bytes
-    from trainstate.manifest import Pointer
+    from trainstate.format.digest import digest_bytes
+    from trainstate.format.manifest import Pointer
 
     data = (directory / name / "manifest.json").read_bytes()
     update = int(name.split("-")[1])
@@ -222,9 +222,9 @@ def test_real_enospc_keeps_previous_generation(tiny_fs, preflight):
 
 def test_digest_written_beside_a_long_write_is_the_file_digest(tmp_path):
     """Many large chunks keep the digest thread behind the writer; every chunk must still be hashed."""
-    from trainstate import tensorfile
-    from trainstate.digest import digest_bytes, new_hasher
-    from trainstate.localfs import PosixOps, _hash_while_writing, coalesce
+    from trainstate.format import tensorfile
+    from trainstate.format.digest import digest_bytes, new_hasher
+    from trainstate.storage.local import PosixOps, _hash_while_writing, coalesce
 
     tensors = {f"t{i}": torch.full((3 << 20,), float(i)) for i in range(12)}  # 12 x 12 MiB
     layout = tensorfile.plan(tensors)

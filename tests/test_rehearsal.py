@@ -23,8 +23,8 @@ import torch
 
 import trainstate as ts
 from trainstate.cli import main as cli_main
-from trainstate.localfs import LocalStore
-from trainstate.rehearsal import load_factory, rehearse
+from trainstate.storage.local import LocalStore
+from trainstate.lifecycle.rehearsal import load_factory, rehearse
 from trainer import CLASSES, CONFIG, assert_same, build, full_state, step
 
 HERE = Path(__file__).parent

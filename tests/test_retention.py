@@ -49,10 +49,10 @@ from hypothesis import strategies as st
 
 import trainstate as ts
 from trainstate import cli
-from trainstate import lifecycle as lifecycle_mod
-from trainstate.manifest import parse_generation_name
-from trainstate.retention import Decision, Plan, Retention
-from trainstate.retention import plan as real_plan
+from trainstate.lifecycle import generations as lifecycle_mod
+from trainstate.format.manifest import parse_generation_name
+from trainstate.lifecycle.retention import Decision, Plan, Retention
+from trainstate.lifecycle.retention import plan as real_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_prune

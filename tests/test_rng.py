@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import trainstate as ts
-from trainstate import rng
+from trainstate.state import rng
 
 
 def test_numpy_global_state_does_not_cover_a_default_rng():

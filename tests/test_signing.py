@@ -11,8 +11,8 @@ import pytest
 
 import trainstate as ts
 from trainer import build, full_state, step, assert_same
-from trainstate.digest import digest_bytes
-from trainstate.manifest import FileRecord, Manifest
+from trainstate.format.digest import digest_bytes
+from trainstate.format.manifest import FileRecord, Manifest
 
 KEY = "correct horse battery staple, 2026"
 OTHER = "another key entirely, not ours!!"
@@ -130,7 +130,7 @@ def test_key_from_environment_and_cli_verify(tmp_path, monkeypatch):
 
 
 def test_short_keys_are_refused_and_never_shown():
-    from trainstate.signing import SigningKey
+    from trainstate.format.signing import SigningKey
 
     with pytest.raises(ts.TrainStateError, match="at least 16 bytes"):
         SigningKey("short")

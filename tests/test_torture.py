@@ -35,7 +35,7 @@ def test_hashing_works_in_a_child_forked_after_hashing(tmp_path):
     import signal
     import time
 
-    from trainstate.digest import digest_bytes
+    from trainstate.format.digest import digest_bytes
 
     data = os.urandom(8 << 20)
     digest_bytes("blake3", data)  # the parent hashes a large input first

@@ -17,23 +17,23 @@ exactly as if it had never stopped::
                 ckpt.save(state)
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from .asyncsave import AsyncSaveFailed, SaveHandle
-from .contract import fingerprint
-from .datafiles import data_manifest
+from .state.contract import fingerprint
+from .data.files import data_manifest
 from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
                      FieldChange, GenerationExists, InsufficientSpace, NoValidGeneration, PendingGradients, Rejection, StateMismatch,
                      TopologyMismatch, TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
-from .evaluation import evaluating
-from .loader import ResumableLoader
+from .data.evaluation import evaluating
+from .data.loader import ResumableLoader
 from .manager import Cadence, CheckpointManager, GenerationInfo, RestoreInfo, Status
-from .preemption import EXIT_PREEMPTED, PreemptionHandler
-from .rehearsal import Rehearsal
-from .retention import Retention
-from .signing import SigningKey
-from .samplerng import SampleIndex, sample_generator
-from .state import TrainState
+from .lifecycle.preemption import EXIT_PREEMPTED, PreemptionHandler
+from .lifecycle.rehearsal import Rehearsal
+from .lifecycle.retention import Retention
+from .format.signing import SigningKey
+from .data.samplerng import SampleIndex, sample_generator
+from .state.train_state import TrainState
 from .warmstart import warm_start
 
 __all__ = [

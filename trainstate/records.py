@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import FieldChange, Rejection
-from .storage import Store
-from .verify import Verified
+from .storage.base import Store
+from .storage.verify import Verified
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ import torch
 
 from .errors import NoValidGeneration, Rejection, StateMismatch
 from .errors import CorruptGeneration
-from . import signing
-from .localfs import LocalStore
-from .signing import SigningKey
+from .format import signing
+from .storage.local import LocalStore
+from .format.signing import SigningKey
 from .manager import GenerationInfo
-from .manifest import MANIFEST, parse_generation_name
-from .verify import load_verified
+from .format.manifest import MANIFEST, parse_generation_name
+from .storage.verify import load_verified
 
 
 def warm_start(source: str | Path, module: torch.nn.Module, *, component: str = "model",

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 import numpy as np
 import torch
-from ..localfs import LocalStore
-from ..manifest import POINTER, parse_pointer
-from ..verify import load_verified
+from ..storage.local import LocalStore
+from ..format.manifest import POINTER, parse_pointer
+from ..storage.verify import load_verified
 from .worker import DRAWS_FILE, IDS_LOG, DrillConfig, DrillError, build_model
 
 

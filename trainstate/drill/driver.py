@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from ..errors import TrainStateError
-from ..localfs import LocalStore
-from ..manifest import POINTER, generation_name, parse_generation_name, parse_pointer
-from ..verify import verify_generation
+from ..storage.local import LocalStore
+from ..format.manifest import POINTER, generation_name, parse_generation_name, parse_pointer
+from ..storage.verify import verify_generation
 from .worker import IDS_LOG, LOADER_LOG, DrillConfig, DrillError
 from .launch import Spawner, _Child, _Pool, _TIMEOUT, processes_holding, wait_for_exit, worker_args
 

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 import torch
+from .options import run_worker
 from .worker import DrillConfig, DrillError, build
 
 
@@ -206,9 +207,7 @@ def _run_forked(args: list[str], fds: list[int]) -> None:
         os.close(f)
     code = 1
     try:
-        from .cli import main  # the worker's entry point; imported late to avoid a cycle
-
-        code = main(args)
+        code = run_worker(args)
     except SystemExit as exc:
         code = exc.code if type(exc.code) is int else 2
     except BaseException:  # the child must never return into the zygote's loop

@@ -40,15 +40,15 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from .. import snapshot
+from ..state import snapshot
 from ..errors import TrainStateError
 from ..asyncsave import SaveHandle
-from ..loader import ResumableLoader
-from ..localfs import LocalStore, PosixOps
+from ..data.loader import ResumableLoader
+from ..storage.local import LocalStore, PosixOps
 from ..manager import CheckpointManager
-from ..manifest import generation_name
-from ..samplerng import sample_generator
-from ..state import TrainState
+from ..format.manifest import generation_name
+from ..data.samplerng import sample_generator
+from ..state.train_state import TrainState
 
 
 DRAWS_FILE = "next_draws.json"
@@ -472,4 +472,3 @@ def worker_main(args: argparse.Namespace) -> int:
     _write_json(Path(args.dir) / DRAWS_FILE, record)
     _say(f"done {state.next_update}")
     return 0
-

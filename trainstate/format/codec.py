@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CorruptGeneration, UnsupportedValue
+from ..errors import CorruptGeneration, UnsupportedValue
 
 JSON_SAFE_INT = 2**53
 _TAGS = ("$t", "$nd", "$np", "$int", "$float", "$tuple", "$map", "$dtype", "$device", "$bytes")

@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import CorruptGeneration, TrainStateError
+from ..errors import CorruptGeneration, TrainStateError
 
 ENV_KEY = "TRAINSTATE_SIGNING_KEY"
 ENV_KEY_FILE = "TRAINSTATE_SIGNING_KEY_FILE"

@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import torch
 
-from .errors import CorruptGeneration
+from ..errors import CorruptGeneration
 
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 64  # torch's own limit; also bounds the cost of checking a hostile shape

@@ -1,6 +1,6 @@
 """The storage interface a checkpoint manager publishes through.
 
-Only the local POSIX backend exists today (``trainstate.localfs``); an object
+Only the local POSIX backend exists today (``trainstate.storage.local``); an object
 store (immutable objects plus a pointer written last) and a multi-rank commit
 plug in here without changing the manager. Paths are plain ``str`` names so
 that URLs survive.
@@ -9,7 +9,7 @@ Call order for one save, and who calls each step (the manager, always):
 
 1. ``begin(generation)`` returns a :class:`Staging` area invisible to readers.
 2. ``Staging.write(file, chunks)`` once per file: writes, digests and makes the
-   file durable, returning its :class:`~trainstate.manifest.FileRecord`.
+   file durable, returning its :class:`~trainstate.format.manifest.FileRecord`.
 3. ``Staging.commit()`` makes the whole generation visible under its final
    name, durably and atomically. ``Staging.abort()`` discards it instead.
 4. The manager verifies the committed generation through the read methods.
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol
 
-from .manifest import FileRecord
+from ..format.manifest import FileRecord
 
 
 class Staging(Protocol):

@@ -16,13 +16,13 @@ from typing import Any, BinaryIO
 
 import torch
 
-from . import tensorfile
-from .codec import decode
-from .digest import digest_bytes, digest_stream, new_hasher
-from .errors import CorruptGeneration
-from .manifest import FORMAT_VERSION, MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, load_json, parse_manifest
-from .signing import SigningKey
-from .storage import Store
+from ..format import tensorfile
+from ..format.codec import decode
+from ..format.digest import digest_bytes, digest_stream, new_hasher
+from ..errors import CorruptGeneration
+from ..format.manifest import FORMAT_VERSION, MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, load_json, parse_manifest
+from ..format.signing import SigningKey
+from .base import Store
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The generation lifecycle on disk: pins, anchors, metrics, lineage and pruning.
 
-This is the I/O around :mod:`trainstate.retention` (which decides). Pruning
+This is the I/O around :mod:`trainstate.lifecycle.retention` (which decides). Pruning
 runs under the pins lock, so ``trainstate pin`` from another shell can never
 race a prune into deleting what it just pinned; it only removes what the plan
 marks, and only generations the library wrote.
@@ -12,13 +12,13 @@ import logging
 import secrets
 from collections.abc import Mapping
 
-from .errors import CorruptGeneration
-from .manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, parse_generation_name, parse_pins,
+from ..errors import CorruptGeneration
+from ..format.manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, parse_generation_name, parse_pins,
                        parse_pointer, pins_to_bytes)
 from .retention import Plan, Retention, best_generation, plan
-from .signing import SigningKey
-from .storage import Store
-from .verify import verify_generation
+from ..format.signing import SigningKey
+from ..storage.base import Store
+from ..storage.verify import verify_generation
 
 log = logging.getLogger("trainstate")
 

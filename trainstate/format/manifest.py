@@ -17,7 +17,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from .digest import ALGORITHMS, digest_bytes
-from .errors import CorruptGeneration
+from ..errors import CorruptGeneration
 from .signing import SigningKey
 
 FORMAT_VERSION = 1

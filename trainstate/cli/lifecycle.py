@@ -1,6 +1,6 @@
 """Command line for the generation lifecycle: ``prune``, ``pin``, ``unpin``, ``plan``, ``cadence``.
 
-Registered by :mod:`trainstate.cli`. The retention policy comes from the
+Registered by :mod:`trainstate.cli.main`. The retention policy comes from the
 newest full generation's manifest (the policy the run was saving under);
 flags override it.
 """
@@ -11,14 +11,14 @@ import argparse
 import json
 from typing import Any
 
-from . import cadence as cadence_mod
-from . import signing
-from .errors import TrainStateError
-from .lifecycle import Lifecycle
-from .localfs import LocalStore
-from .manifest import generation_name, parse_generation_name
-from .retention import Retention, plan
-from .verify import read_manifest
+from ..lifecycle import cadence as cadence_mod
+from ..format import signing
+from ..errors import TrainStateError
+from ..lifecycle.generations import Lifecycle
+from ..storage.local import LocalStore
+from ..format.manifest import generation_name, parse_generation_name
+from ..lifecycle.retention import Retention, plan
+from ..storage.verify import read_manifest
 
 
 def _lifecycle(directory: str) -> tuple[LocalStore, Lifecycle]:

@@ -4,7 +4,7 @@ The position is ``(epoch, cursor)``: the epoch and the number of its batches
 the training loop has *received*. It is counted where batches leave the
 iterator, not where the sampler produced them, so batches that workers have
 prefetched but the loop has not taken are neither skipped nor repeated on
-resume. The batches of an epoch come from :mod:`trainstate.order` (a function
+resume. The batches of an epoch come from :mod:`trainstate.data.order` (a function
 of the seed and the epoch), so a resumed run rebuilds the same plan and
 starts the sampler at the cursor.
 """
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .errors import ContinuationWarning, DataMismatch
+from ..errors import ContinuationWarning, DataMismatch
 from .order import Plan, derive, ids_digest
 from .samplerng import SampleIndex
 

@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .digest import Hasher, digest_stream, new_hasher
-from .errors import CorruptGeneration, DirectoryLocked, GenerationExists, TrainStateError
-from .manifest import FileRecord, newest_first
+from ..format.digest import Hasher, digest_stream, new_hasher
+from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, TrainStateError
+from ..format.manifest import FileRecord, newest_first
 
 LOCK_FILE = ".trainstate.lock"
 _PREFIX = ".trainstate-"

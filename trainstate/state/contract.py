@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ContractMismatch, FieldChange, UnsupportedValue
+from ..errors import ContractMismatch, FieldChange, UnsupportedValue
+from ..version import __version__
 
 _ABSENT = "<absent>"
 
@@ -69,8 +70,6 @@ def build(user_fields: Mapping[str, Any], modules: Mapping[str, torch.nn.Module]
 
 def versions() -> dict[str, str]:
     """Recorded with every generation, never enforced."""
-    from . import __version__
-
     return {"trainstate": __version__, "torch": torch.__version__, "numpy": np.__version__,
             "python": platform.python_version()}
 

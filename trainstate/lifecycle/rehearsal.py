@@ -17,15 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import contract as contract_mod
-from . import rng as rng_mod
-from . import snapshot
-from .errors import DataMismatch, WeightsOnlyGeneration
-from .manifest import Manifest
-from .signing import SigningKey
-from .state import TrainState
-from .storage import Store
-from .verify import load_verified
+from ..state import contract as contract_mod
+from ..state import rng as rng_mod
+from ..state import snapshot
+from ..errors import DataMismatch, WeightsOnlyGeneration
+from ..format.manifest import Manifest
+from ..format.signing import SigningKey
+from ..state.train_state import TrainState
+from ..storage.base import Store
+from ..storage.verify import load_verified
 
 Factory = Callable[[], TrainState]
 

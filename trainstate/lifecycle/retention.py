@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from .manifest import parse_generation_name
+from ..format.manifest import parse_generation_name
 
 
 @dataclass(frozen=True)

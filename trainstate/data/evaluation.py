@@ -15,8 +15,8 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from . import rng as rng_mod
-from .state import TrainState
+from ..state import rng as rng_mod
+from ..state.train_state import TrainState
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from .errors import StateMismatch, TopologyMismatch
+from ..errors import StateMismatch, TopologyMismatch
 
 Generator = Union[np.random.Generator, np.random.RandomState, torch.Generator, random.Random]
 

@@ -14,10 +14,10 @@ import torch
 
 from . import contract as contract_mod
 from . import rng as rng_mod
-from .codec import TensorTable, encode
-from .errors import StateMismatch, UnsupportedValue
-from .manifest import FORMAT_VERSION
-from .state import TrainState
+from ..format.codec import TensorTable, encode
+from ..errors import StateMismatch, UnsupportedValue
+from ..format.manifest import FORMAT_VERSION
+from .train_state import TrainState
 
 
 def _type_name(obj: object) -> str:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .drill import (Comparison, DrillConfig, DrillError, DrillReport, Timing, Zygote, compare_runs,
+from ..drill import (Comparison, DrillConfig, DrillError, DrillReport, Timing, Zygote, compare_runs,
                     run_interrupted, run_reference)
 
 # About 5 s of training and 20 saves (about a third of that time): kills aimed

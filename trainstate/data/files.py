@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .digest import digest_stream, new_hasher
+from ..format.digest import digest_stream, new_hasher
 
 
 def _files(paths: Iterable[str | os.PathLike]) -> list[tuple[str, Path]]:

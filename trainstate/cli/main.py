@@ -13,14 +13,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import cli_lifecycle, signing
-from .errors import CorruptGeneration, TrainStateError
-from .localfs import LocalStore
-from .signing import SigningKey
-from .manifest import POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
-from .lifecycle import Lifecycle
-from .rehearsal import load_factory, rehearse
-from .verify import read_layouts, read_manifest, read_state_json, verify_generation
+from . import lifecycle as cli_lifecycle
+from ..format import signing
+from ..errors import CorruptGeneration, TrainStateError
+from ..storage.local import LocalStore
+from ..format.signing import SigningKey
+from ..format.manifest import POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
+from ..lifecycle.generations import Lifecycle
+from ..lifecycle.rehearsal import load_factory, rehearse
+from ..storage.verify import read_layouts, read_manifest, read_state_json, verify_generation
+
+DESCRIPTION = """\
+Inspect, verify and maintain trainstate run directories.
+
+Every command reads through the same pickle-free, digest-checking reader as
+restore, so it is safe to point at a directory you do not trust. Each takes
+--json. Exit status: 0 success, 1 a verification failure or error, 2 bad usage.
+"""
 
 
 def _open_target(target: str) -> tuple[LocalStore, list[str], bool]:
@@ -243,7 +252,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainstate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="trainstate", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ls", help="list generations, their state and which is latest")
     p.add_argument("directory")

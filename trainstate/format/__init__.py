@@ -1,0 +1,8 @@
+"""Pure encoding: bytes in, values out. Nothing in this layer opens a file or touches a directory.
+
+- ``codec``: the tagged JSON for every non-tensor value (never pickle).
+- ``tensorfile``: the safetensors layout of a generation's tensors.
+- ``manifest``: manifest, pointer and pins records, names of generations.
+- ``digest``: content digests (BLAKE3, SHA-256).
+- ``signing``: the optional HMAC-SHA256 signature of manifests and pointers.
+"""

@@ -1,0 +1,8 @@
+"""Policies over generations, and the I/O that applies them.
+
+- ``retention``: what to keep (pure planning).
+- ``generations``: pins, anchors, lineage and pruning on a store.
+- ``cadence``: when to save (Young/Daly) and the measurements behind it.
+- ``preemption``: signals turned into a save at the next boundary.
+- ``rehearsal``: a restart into fresh objects, to prove a generation restores.
+"""
