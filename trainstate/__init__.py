@@ -23,8 +23,10 @@ from .asyncsave import AsyncSaveFailed, SaveHandle
 from .state.contract import fingerprint
 from .data.files import data_manifest
 from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
-                     FieldChange, GenerationExists, InsufficientSpace, NoValidGeneration, PendingGradients, Rejection, StateMismatch,
-                     TopologyMismatch, TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
+                     ExistingRun, FieldChange, GenerationExists, InsufficientSpace, InvalidArgument, InvalidType,
+                     NoValidGeneration, PendingGradients, PointerRollback, ReadOnlyDirectory, Rejection,
+                     RunDirectoryGone, StateMismatch, TopologyMismatch, TrainStateError, UnsupportedValue,
+                     WeightsOnlyGeneration)
 from .data.evaluation import evaluating
 from .data.loader import ResumableLoader
 from .manager import Cadence, CheckpointManager, GenerationInfo, RestoreInfo, Status
@@ -46,18 +48,24 @@ __all__ = [
     "DataMismatch",
     "DirectoryLocked",
     "EXIT_PREEMPTED",
+    "ExistingRun",
     "FieldChange",
     "GenerationExists",
     "GenerationInfo",
     "InsufficientSpace",
+    "InvalidArgument",
+    "InvalidType",
     "NoValidGeneration",
     "PendingGradients",
+    "PointerRollback",
     "PreemptionHandler",
+    "ReadOnlyDirectory",
     "Rehearsal",
     "Rejection",
     "RestoreInfo",
     "ResumableLoader",
     "Retention",
+    "RunDirectoryGone",
     "SampleIndex",
     "SaveHandle",
     "SigningKey",

@@ -5,6 +5,8 @@ describes the same situation, the subclass inherits it too, so existing
 ``except FileNotFoundError`` or ``except TypeError`` handlers keep working::
 
     TrainStateError(Exception)
+    ├── InvalidArgument(ValueError)      an argument out of range (keep_last=0, a bad metric name, ...)
+    ├── InvalidType(TypeError)           an argument of the wrong kind (a component without state_dict, ...)
     ├── ContractMismatch                 experiment contract differs on restore
     ├── UnsupportedValue(TypeError)      a state value has no pickle-free encoding
     ├── PendingGradients                 save requested mid-accumulation
@@ -16,8 +18,15 @@ describes the same situation, the subclass inherits it too, so existing
     ├── NoValidGeneration(FileNotFoundError)
     │                                    nothing restorable; lists every rejection
     ├── GenerationExists(FileExistsError) refusing to overwrite a published generation
+    ├── ExistingRun(FileExistsError)     a state that was never restored would save over another run
+    ├── PointerRollback                  ``latest`` names an older generation than a newer valid one
     ├── InsufficientSpace(OSError)       the disk cannot hold the next generation (errno ENOSPC)
+    ├── ReadOnlyDirectory(PermissionError) saving into a directory this process cannot write
+    ├── RunDirectoryGone(FileNotFoundError) the run directory was removed or replaced while open
     └── DirectoryLocked(BlockingIOError) another writer holds the run directory
+
+Every error survives a ``pickle`` round trip with its message and attributes
+(multi-rank code sends exceptions between processes).
 """
 
 from __future__ import annotations
@@ -25,8 +34,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+    """Unpickle an error without calling ``__init__`` (whose signature differs from ``args``)."""
+    error = cls.__new__(cls, *args)
+    if isinstance(error, OSError):
+        OSError.__init__(error, *args)  # errno and strerror come from args, as OSError's own init sets them
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class TrainStateError(Exception):
     """Root of every error raised by trainstate."""
+
+    def __reduce__(self):  # subclasses take other constructor arguments than the message they pass on
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+class InvalidArgument(TrainStateError, ValueError):
+    """An argument is out of its allowed range; the message names it, the value and what is allowed."""
+
+
+class InvalidType(TrainStateError, TypeError):
+    """An argument is of the wrong kind; the message names it and what is expected."""
 
 
 @dataclass(frozen=True)
@@ -138,8 +168,24 @@ class GenerationExists(TrainStateError, FileExistsError):
     """A published generation with that name already exists and is never overwritten."""
 
 
+class ExistingRun(TrainStateError, FileExistsError):
+    """A state that was not restored from this directory would save into a run that already has generations."""
+
+
+class PointerRollback(TrainStateError):
+    """``latest`` names an older generation than a newer, valid full generation of the same timeline."""
+
+
+class ReadOnlyDirectory(TrainStateError, PermissionError):
+    """Saving needs a run directory this process can write; reading does not."""
+
+
+class RunDirectoryGone(TrainStateError, FileNotFoundError):
+    """The run directory was deleted or replaced while a manager had it open."""
+
+
 class DirectoryLocked(TrainStateError, BlockingIOError):
-    """Another live process is writing to the run directory."""
+    """Another live process (or another manager in this process) is writing to the run directory."""
 
 
 class InsufficientSpace(TrainStateError, OSError):
