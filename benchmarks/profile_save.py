@@ -53,7 +53,7 @@ import trainstate as ts  # noqa: E402
 from bench_save import CHUNK, build, byte_views, fsync_dir, remove, settle  # noqa: E402
 from trainstate import publish, restore  # noqa: E402
 from trainstate.format import digest, tensorfile  # noqa: E402
-from trainstate.storage import local as localfs, verify  # noqa: E402
+from trainstate.storage import local as localfs, posix, verify  # noqa: E402
 from trainstate.state import snapshot  # noqa: E402
 
 SYNC_FILE_RANGE_WRITE = 2
@@ -103,6 +103,7 @@ def instrument() -> tuple[Clock, list[str]]:
         (tensorfile, "plan", "plan header"),
         (localfs, "_hash_while_writing", "write + hash beside it, wall"),
         (localfs, "_write_all", "write path: os.write"),
+        (posix, "_write_all", "write path: os.write"),
         (localfs, "digest_stream", "read-back: re-read + hash (beside fsync)"),
         (localfs.LocalStaging, "_sync_and_read_back", "fsync || read-back, wall"),
         (localfs.LocalStaging, "commit", "commit: fsync staging dir, rename, fsync run dir"),

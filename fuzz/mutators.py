@@ -35,7 +35,7 @@ MANIFEST, POINTER = "manifest.json", "latest"
 
 # --- value strategies ------------------------------------------------------------------------------
 
-TAGS = ("$t", "$nd", "$np", "$int", "$float", "$tuple", "$map", "$dtype", "$device", "$bytes")
+TAGS = ("$t", "$nd", "$np", "$int", "$float", "$tuple", "$map", "$odict", "$dtype", "$device", "$bytes")
 ST_DTYPES = tuple(tensorfile._ST_DTYPES)
 TORCH_DTYPES = sorted(n for n, v in vars(torch).items() if isinstance(v, torch.dtype))  # vars: no lazy imports
 STRING_POOL = TAGS + ST_DTYPES + tuple(TORCH_DTYPES[:12]) + (

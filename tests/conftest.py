@@ -1,4 +1,6 @@
 import gc
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,3 +26,37 @@ def _collect_after_module():
     """
     yield
     gc.collect()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size, name="fs")`` -> a fresh tmpfs under tmp_path; ``remount_ro(path)`` makes it read-only.
+
+    Root only (CI runs as root); skips with the reason elsewhere. Tests use it
+    for what permission bits cannot show to root: a real ENOSPC, a real EROFS.
+    """
+    mounted: list[Path] = []
+
+    class Mounts:
+        @staticmethod
+        def mount(size: str, name: str = "fs") -> Path:
+            path = tmp_path / name
+            path.mkdir()
+            if os.geteuid() != 0:
+                pytest.skip("needs root to mount a tmpfs (a real ENOSPC or read-only filesystem)")
+            result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                    capture_output=True, text=True)
+            if result.returncode:
+                pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode})")
+            mounted.append(path)
+            return path
+
+        @staticmethod
+        def remount_ro(path: Path) -> None:
+            result = subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True, text=True)
+            if result.returncode:
+                pytest.skip(f"cannot remount read-only ({result.stderr.strip() or result.returncode})")
+
+    yield Mounts
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=False)

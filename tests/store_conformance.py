@@ -186,6 +186,25 @@ class StoreConformance:
         second = store.set_aside(generation_name(6), "abandoned")
         assert first != second and store.generations() == []
 
+    def test_set_aside_entries_are_listed_as_evidence(self, store: Store, reopen: Reopen):
+        publish(store, generation_name(20))
+        publish(store, generation_name(21, "weights"))
+        first = store.set_aside(generation_name(20), "rejected")
+        second = store.set_aside(generation_name(21, "weights"), "superseded")
+        assert reopen(store).aside() == sorted([first, second])
+        assert store.leftovers() == [] and store.generations() == []
+
+    def test_reinstate_puts_a_generation_back_and_never_over_another(self, store: Store):
+        files = publish(store, generation_name(22))
+        aside = store.set_aside(generation_name(22), "superseded")
+        publish(store, generation_name(22), {"a.bin": b"replacement"})
+        with pytest.raises(GenerationExists):
+            store.reinstate(aside, generation_name(22))
+        assert read(store, generation_name(22), "a.bin") == b"replacement"
+        store.remove(generation_name(22))
+        store.reinstate(aside, generation_name(22))
+        assert store.aside() == [] and read(store, generation_name(22), "a.bin") == files["a.bin"]
+
     def test_a_removed_name_can_be_published_again(self, store: Store):
         publish(store, generation_name(12), {"a.bin": b"old"})
         store.remove(generation_name(12))

@@ -53,7 +53,7 @@ from trainstate.asyncsave import StagingBuffers
 from trainstate.format.codec import TensorTable, encode
 from trainstate.errors import CorruptGeneration
 from trainstate.storage.local import LocalStore, PosixOps
-from trainstate.format.manifest import POINTER, generation_name, parse_pointer
+from trainstate.format.manifest import POINTER, RUN, generation_name, parse_pointer
 from trainstate.storage.verify import verify_generation
 
 TESTS = Path(__file__).resolve().parent
@@ -294,7 +294,7 @@ def check_visible(root: Path, *, leftovers_allowed: bool) -> list[str]:
     for name in generations:
         verify_generation(store, name, content=True)
     hidden = set(store.leftovers() if leftovers_allowed else [])
-    others = sorted(n for n in set(os.listdir(root)) - set(generations) - {POINTER} - hidden
+    others = sorted(n for n in set(os.listdir(root)) - set(generations) - {POINTER, RUN} - hidden
                     if not re.fullmatch(r"\.trainstate(\.[a-z]+)?\.lock", n))  # the library's lock files
     assert not others, f"unexpected names in the run directory: {others}"
     assert leftovers_allowed or store.leftovers() == [], store.leftovers()
@@ -816,8 +816,9 @@ def test_sigkill_inside_a_background_write_leaves_the_previous_generation(childr
     got_name, got = restore_fresh(root)
     assert (got_name, digest(got)) == (previous["generation"], previous["digest"])
     state = make(seed=5)
-    state.next_update = 1000
     with ts.CheckpointManager(root) as ckpt:
+        ckpt.restore(state)  # the run continues
+        state.next_update = 1000
         ckpt.save(state, blocking=False)
     check_visible(root, leftovers_allowed=False)  # the next save swept the torn staging directory
 

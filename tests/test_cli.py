@@ -173,7 +173,7 @@ def test_verify_missing_target_is_an_error_not_a_traceback(tmp_path, capsys, jso
 
 def test_verify_of_empty_directory(tmp_path, capsys):
     rc, out, _ = cli_run(capsys, "verify", str(tmp_path))
-    assert rc == 0 and "no generations" in out
+    assert rc == 1 and "holds no generations" in out  # a wrong or empty directory is not "verified"
 
 
 # --- inspect -----------------------------------------------------------------------------------

@@ -104,3 +104,27 @@ def test_component_set_must_match(tmp_path):
     with ts.CheckpointManager(tmp_path) as ckpt:
         with pytest.raises(ts.StateMismatch, match="scaler"):
             ckpt.restore(live)
+
+
+def test_a_long_list_difference_names_the_positions_that_differ():
+    """A class-name list of 1,000 differing at index 500: the message shows that position, not a truncated prefix."""
+    from trainstate.errors import ContractMismatch, FieldChange
+
+    old = [f"class_{i:04d}" for i in range(1000)]
+    new = list(old)
+    new[500] = "renamed"
+    text = str(ContractMismatch("gen-000000000001", [FieldChange("class_names", old, new)]))
+    assert "position 500: checkpoint has 'class_0500', this run has 'renamed'" in text
+    assert "class_0499" not in text  # no wall of unchanged names
+    longer = str(ContractMismatch("g", [FieldChange("class_names", old, old + ["extra"])]))
+    assert "length 1000 in the checkpoint, 1001 in this run" in longer
+
+
+def test_a_loader_plan_change_is_never_suggested_as_an_allowed_change():
+    from trainstate.errors import ContractMismatch, FieldChange
+
+    exc = ContractMismatch("g", [FieldChange("loader.data.batch_size", 32, 64), FieldChange("config.lr", 1, 2)],
+                           fixed=["loader.data.batch_size"])
+    assert "allow_changes=['config.lr']" in str(exc)
+    assert "'loader.data.batch_size'" not in str(exc).split("allow_changes=")[1].split("]")[0]
+    assert "loader.data.batch_size cannot change within a run" in str(exc)

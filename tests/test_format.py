@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import random
+import shutil
+import struct
 from collections import OrderedDict
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trainstate as ts
+from trainstate import cli
 from trainstate.format import tensorfile
 from trainstate.format.codec import TensorTable, decode, encode
 from trainstate.format.manifest import FileRecord, Manifest, Pointer, parse_manifest, parse_pointer
@@ -193,18 +197,46 @@ values = st.recursive(
     max_leaves=25)
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, float) and math.isnan(a):
-        return isinstance(b, float) and math.isnan(b)
+def _bits(tensor: torch.Tensor) -> bytes:
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if not tensor.numel():
+        return b""
+    carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(tensor.element_size())
+    tensor = tensor.view(carrier) if carrier else tensor  # no copy kernel for sub-byte dtypes; bits kept
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same(a, b) -> bool:
+    """Equal value and equal type, recursively and exactly: floats, arrays and tensors bit for bit
+    (so NaN payloads, signs of zero and NaN patterns in float8 all count)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, float):
-        return a == b and math.copysign(1, a) == math.copysign(1, b)
+        return (len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))  # keys in order, bit for bit
+                and all(same(x, y) for x, y in zip(a.values(), b.values())))
+    if type(a) is float:
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and _bits(a) == _bits(b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, np.generic):
+        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
     return a == b
+
+
+def test_same_is_exact():
+    """Negative controls for ``same``: every difference it must see."""
+    nan, other_nan = float("nan"), struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000001))[0]
+    assert same(nan, nan) and same({1: (np.float32(2),)}, {1: (np.float32(2),)})
+    for a, b in [(1, True), (1, 1.0), (0.0, -0.0), (nan, other_nan), ((1,), [1]), ({"a": 1}, OrderedDict(a=1)),
+                 ({"a": 1, "b": 2}, {"b": 2, "a": 1}), (np.float32(1), np.float64(1)), (np.int64(1), 1),
+                 (np.zeros(()), np.zeros(1)), (np.zeros(2, np.int32), np.zeros(2, np.int64)),
+                 (torch.zeros(()), torch.zeros(1)), (torch.zeros(2), torch.zeros(2, dtype=torch.float64)),
+                 (torch.zeros(2), -torch.zeros(2)), (torch.tensor([nan]), torch.tensor([-nan]))]:
+        assert not same(a, b) and not same(b, a), (a, b)
 
 
 @settings(max_examples=300, deadline=None)
@@ -213,7 +245,78 @@ def test_codec_round_trips_through_json(value):
     table = TensorTable()
     skeleton = encode(value, "v", table)
     text = json.dumps(skeleton, allow_nan=False)
-    assert _same(decode(json.loads(text), "v", table.tensors), value)
+    assert same(decode(json.loads(text), "v", table.tensors), value)
+
+
+# --- a format-1 generation --------------------------------------------------------------------
+V1_RUN = GOLDEN / "v1-run"  # written by trainstate at commit aa50f86 (format 1) from _v1_state(); never regenerate
+
+
+def _v1_state() -> ts.TrainState:
+    """The state saved in ``tests/golden/v1-run`` (deterministic: explicit weights, one Adam step, seeded RNGs)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    with torch.no_grad():
+        for i, param in enumerate(model.parameters()):
+            param.copy_(torch.arange(param.numel(), dtype=torch.float32).reshape(param.shape) / (i + 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    extra = Holder({
+        "tuple": (1, 2.5, "x"), "int_keys": {0: {"step": torch.tensor(2.0)}, -3: None}, "big": 2**70,
+        "neg_big": -2**64, "nan": float("nan"), "neg_inf": float("-inf"), "neg_zero": -0.0, "bytes": b"\x00\xff",
+        "dtype": torch.bfloat16, "device": torch.device("cpu"), "np_float": np.float32(1.5), "np_int": np.int16(-7),
+        "np_bool": np.bool_(False), "array": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "nested": [[1, [2, {"k": None}]]], "$key": 1, (1, "a"): 2, "bf16": torch.tensor([1.5, 2.0], dtype=torch.bfloat16),
+    })
+    state = ts.TrainState(model=model, optimizer=optimizer, extra=extra, capture_global_rngs=False,
+                          rngs={"torch": torch.Generator().manual_seed(5), "numpy": np.random.default_rng(6),
+                                "python": random.Random(7)},
+                          contract={"config": {"lr": 0.01, "betas": [0.8, 0.9]}})
+    state.next_update, state.tokens_seen = 7, 1234
+    state.counters["epoch"] = 3
+    state.facts.update(best=0.25, tag="v1")
+    return state
+
+
+def _draws(state: ts.TrainState) -> list:
+    rngs = state.rngs
+    return [rngs["torch"].initial_seed(), torch.rand(3, generator=rngs["torch"]), rngs["numpy"].random(3),
+            rngs["python"].random()]
+
+
+def test_format_1_generation_still_restores(tmp_path, capsys):
+    """A generation written by a format-1 writer (before $odict and the $np fixes) verifies and restores exactly."""
+    run = tmp_path / "run"
+    shutil.copytree(V1_RUN, run)
+    assert json.loads((run / "gen-000000000007" / "manifest.json").read_bytes())["format_version"] == 1
+    assert json.loads((run / "latest").read_bytes())["format_version"] == 1
+    assert cli.main(["verify", str(run)]) == 0, capsys.readouterr().out
+    expected, live = _v1_state(), _v1_state()
+    with torch.no_grad():
+        for param in live["model"].parameters():
+            param.add_(1)
+    live["extra"].value, live.counters, live.facts, live.next_update = None, {}, {}, 0
+    _draws(live)
+    with ts.CheckpointManager(run) as ckpt:
+        info = ckpt.restore(live)
+    assert info.generation.name == "gen-000000000007" and not info.rejected
+    assert same(live["model"].state_dict(), expected["model"].state_dict())
+    assert same(live["optimizer"].state_dict(), expected["optimizer"].state_dict())
+    assert same(live["extra"].value, expected["extra"].value)
+    assert (live.next_update, live.tokens_seen, live.counters, live.facts) == (7, 1234, {"epoch": 3},
+                                                                               {"best": 0.25, "tag": "v1"})
+    assert same(_draws(live), _draws(expected))
+    # the run continues in format 2 beside its format-1 generation, and both verify
+    live.next_update += 1
+    with ts.CheckpointManager(run) as ckpt:
+        ckpt.save(live)
+        again = _v1_state()
+        assert ckpt.restore(again).generation.name == "gen-000000000008"
+    assert json.loads((run / "gen-000000000008" / "manifest.json").read_bytes())["format_version"] == 2
+    assert same(again["extra"].value, live["extra"].value) and same(_draws(again), _draws(live))
+    assert cli.main(["verify", str(run)]) == 0, capsys.readouterr().out
 
 
 # --- golden bytes ------------------------------------------------------------------------------
@@ -222,32 +325,46 @@ def _golden_payload():
     shared = torch.arange(4, dtype=torch.float32)
     value = {"w": shared, "tied": shared, "half": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
              "e8m0": torch.tensor([1.0, 4.0]).to(torch.float8_e8m0fnu), "step": torch.tensor(3, dtype=torch.int64),
-             "betas": (0.9, 0.999), "state": {0: {"big": 2**64}}, "nan": float("nan")}
+             "betas": (0.9, 0.999), "state": {0: {"big": 2**64}}, "nan": float("nan"),
+             "odict": OrderedDict(b=1, a={-0.0: -float("nan")}), "np_inf": np.float32("-inf"),
+             "np_seed": np.uint64(2**63 + 5), "np_zero_d": np.array(2.5), "device": torch.device("cuda:1")}
     skeleton = encode(value, "c", table)
     layout = tensorfile.plan(table.tensors)
     tensor_bytes = b"".join(bytes(c) for c in tensorfile.chunks(layout, table.tensors))
-    return json.dumps(skeleton, separators=(",", ":"), allow_nan=False).encode(), tensor_bytes
+    return value, json.dumps(skeleton, separators=(",", ":"), allow_nan=False).encode(), tensor_bytes
 
 
-def test_golden_bytes_pin_format_version_1():
-    skeleton, tensor_bytes = _golden_payload()
+def _golden_files() -> dict[str, bytes]:
+    _, skeleton, tensor_bytes = _golden_payload()
     manifest = Manifest("gen-000000000042", "full", 42, "blake3",
                         (FileRecord("state.json", 10, "ab" * 32), FileRecord("tensors.safetensors", 20, "cd" * 32)),
                         "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None)
     pointer = Pointer("gen-000000000042", "12" * 32, 300, "blake3", 42)
-    golden = {"skeleton.json": skeleton, "tensors.safetensors": tensor_bytes,
-              "manifest.json": manifest.to_bytes(), "latest": pointer.to_bytes()}
-    for name, data in golden.items():
+    return {"skeleton.json": skeleton, "tensors.safetensors": tensor_bytes,
+            "manifest.json": manifest.to_bytes(), "latest": pointer.to_bytes()}
+
+
+def test_golden_bytes_pin_format_version_2():
+    for name, data in _golden_files().items():
         assert (GOLDEN / name).read_bytes() == data, f"format drift in {name}: bump FORMAT_VERSION and the goldens"
-    assert parse_manifest((GOLDEN / "manifest.json").read_bytes(), "g") == manifest
-    assert parse_pointer((GOLDEN / "latest").read_bytes(), "g") == pointer
+    manifest = parse_manifest((GOLDEN / "manifest.json").read_bytes(), "g")
+    assert manifest.format_version == 2 and manifest.to_bytes() == (GOLDEN / "manifest.json").read_bytes()
+    assert parse_pointer((GOLDEN / "latest").read_bytes(), "g").format_version == 2
+    tensor_bytes = (GOLDEN / "tensors.safetensors").read_bytes()
     header = tensorfile.parse_header(io.BytesIO(tensor_bytes), len(tensor_bytes), "g")
-    assert [e.name for e in header.entries] == ["c.w", "c.half", "c.e8m0", "c.step"]
+    assert [e.name for e in header.entries] == ["c.w", "c.half", "c.e8m0", "c.step", "c.np_zero_d"]
     assert header.entries[2].dtype == torch.float8_e8m0fnu
+    # the golden bytes decode to the values they were made from
+    stream = io.BytesIO(tensor_bytes)
+    tensors = {e.name: tensorfile.read_tensor(stream, header, e, "g") for e in header.entries}
+    back = decode(json.loads((GOLDEN / "skeleton.json").read_bytes()), "c", tensors)
+    value = _golden_payload()[0]
+    assert back["w"] is back["tied"]
+    del back["tied"], value["tied"]
+    assert same(back, value)
 
 
-if __name__ == "__main__":  # regenerate goldens deliberately, after bumping FORMAT_VERSION
+if __name__ == "__main__":  # regenerate goldens deliberately, after bumping FORMAT_VERSION (never v1-run/)
     GOLDEN.mkdir(exist_ok=True)
-    s, t = _golden_payload()
-    (GOLDEN / "skeleton.json").write_bytes(s)
-    (GOLDEN / "tensors.safetensors").write_bytes(t)
+    for name, data in _golden_files().items():
+        (GOLDEN / name).write_bytes(data)

@@ -618,7 +618,7 @@ def _restore_edited_state(pristine: dict, edit) -> None:
 
 
 @pytest.mark.parametrize("edit", [
-    pytest.param(lambda s: s.update(counters={"$int": 5}), id="counters-tagged-int"),
+    pytest.param(lambda s: s.update(counters={"epoch": {"$int": "5"}}), id="counters-tagged-int"),  # plain JSON
     pytest.param(lambda s: s.update(rng={"$tuple": []}), id="rng-tagged-tuple"),
     pytest.param(lambda s: s["contract"].update(fields={"$map": [[1, 2]]}), id="contract-fields-int-key"),
     pytest.param(lambda s: s.update(grads={"model": [1]}), id="grads-module-a-list"),

@@ -190,4 +190,4 @@ def test_in_place_peak_memory_is_bounded(tmp_path):
     state_bytes = 3 * 24 * (1024 * 1024 + 1024) * 4
     in_place, copying = go("in-place"), go("copy")
     assert in_place < 0.10 * state_bytes, (in_place, copying)
-    assert copying > 0.5 * state_bytes, (in_place, copying)  # the control: the test can tell them apart
+    assert copying > 0.3 * state_bytes, (in_place, copying)  # the control (typically 0.6; it varies with load)

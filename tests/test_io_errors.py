@@ -36,11 +36,13 @@ class FaultOps(PosixOps):
         self.fail_at, self.code, self.persistent = fail_at, code, persistent
         self.count = 0
         self.failed: list[str] = []
+        self.attempted: list[str] = []  # every operation in order, the failing ones included
         self.synced_after_failure: list[int] = []
         self._failed_fds: set[int] = set()
 
     def _gate(self, name: str, fd: int | None = None) -> None:
         self.count += 1
+        self.attempted.append(name)
         if self.count == self.fail_at or (self.persistent and self.count > self.fail_at):
             self.failed.append(name)
             if name == "fsync" and fd is not None:
@@ -80,6 +82,12 @@ def template(tmp_path_factory):
     return root, state, previous, fingerprint(state), globals_at_save
 
 
+def _published_before(ops: FaultOps, n: int) -> bool:
+    """Whether the pointer's replace and the directory fsync after it both completed before operation ``n``."""
+    done = ops.attempted[: n - 1]
+    return any(a == "replace" and b == "fsync_dir" for a, b in zip(done, done[1:]))
+
+
 def _restore(root: Path) -> tuple[str, str]:
     fresh = make_state(seed=99)
     with ts.CheckpointManager(root) as ckpt:
@@ -98,6 +106,7 @@ def test_every_failing_operation(tmp_path, template, code, persistent):
         ops = FaultOps(n, code, persistent)
         pointer_before = (root / "latest").read_bytes()
         rng.restore(globals_at_save, {})
+        state.parent = "gen-000000000001"  # the state is shared by the tests of this module: a run saved at 1
         with ts.CheckpointManager(root, keep_last=1, store=LocalStore(root, ops=ops)) as ckpt:
             try:
                 ckpt.save(state)
@@ -109,7 +118,10 @@ def test_every_failing_operation(tmp_path, template, code, persistent):
             break
         failures_seen += 1
         where = f"{ops.failed[0]} (operation {n})"
-        assert raised is not None and raised.errno == code, f"save reported success over a failed {where}"
+        if _published_before(ops, n):  # the pointer had moved durably: a failing cleanup is logged, not raised
+            assert raised is None, f"a save published before {where} was reported as failed"
+        else:
+            assert raised is not None and raised.errno == code, f"save reported success over a failed {where}"
         assert not ops.synced_after_failure, f"a failed fsync was retried after {where}"
         moved = (root / "latest").read_bytes() != pointer_before
         name, got = _restore(root)
@@ -118,9 +130,11 @@ def test_every_failing_operation(tmp_path, template, code, persistent):
         for generation in store.generations():
             verify_generation(store, generation)  # nothing partial is visible
         # a healthy disk again: the next save succeeds and sweeps what the failure left
-        step(again := make_state(seed=5))
-        again.next_update = 3
+        again = make_state(seed=5)
         with ts.CheckpointManager(root, keep_last=1) as ckpt:
+            ckpt.restore(again)  # the run continues from whatever survived
+            step(again)
+            again.next_update = 3
             ckpt.save(again)
         assert LocalStore(root, create=False).leftovers() == [], where
         assert _restore(root) == ("gen-000000000003", fingerprint(again))

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -69,26 +68,10 @@ def _fill(filler: Path, leave: int) -> None:
 
 
 @pytest.fixture
-def tiny_fs(tmp_path):
-    """``mount(size)`` -> a fresh tmpfs of that size under tmp_path (root only; skips otherwise)."""
-    mounted: list[Path] = []
-
-    def mount(size: str) -> Path:
-        path = tmp_path / f"tiny{len(mounted)}"
-        path.mkdir()
-        if os.geteuid() != 0:
-            pytest.skip("needs root to mount a tmpfs with a real, small amount of free space")
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                capture_output=True, text=True)
-        if result.returncode:
-            pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode}); "
-                        "the preflight needs a filesystem that really runs out of space")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in mounted:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+def tiny_fs(tmpfs):
+    """``mount(size)`` -> a fresh tmpfs of that size (root only; skips otherwise; see conftest.tmpfs)."""
+    names = (f"tiny{i}" for i in range(100))
+    return lambda size: tmpfs.mount(size, next(names))
 
 
 # (a) refusal -------------------------------------------------------------------------------------------
@@ -182,7 +165,7 @@ def test_preflight_prunes_what_policy_allows_then_fits(tiny_fs, preflight, caplo
     assert 4 * size > (size + 64 * KIB) * 1.05 + 16 * KIB and size > 16 * KIB
     _big_step(state)
     caplog.set_level(logging.WARNING, logger="trainstate")
-    with ts.CheckpointManager(run, keep_last=1, preflight=preflight) as ckpt:
+    with ts.CheckpointManager(run, retention=ts.Retention(keep_last=1), preflight=preflight) as ckpt:
         if preflight:
             info = ckpt.save(state)
             assert info.name == "gen-000000000006" and ckpt.latest() == info.name
@@ -291,7 +274,7 @@ def test_preflight_prunes_by_policy_before_staging(tmp_path, monkeypatch):
             step(state)
             ckpt.save(state)
     step(state)
-    with ts.CheckpointManager(tmp_path, keep_last=1) as ckpt:
+    with ts.CheckpointManager(tmp_path, retention=ts.Retention(keep_last=1)) as ckpt:
         # room only once the directory holds a single generation
         _fake(monkeypatch, ckpt, lambda store: 10 ** 9 if len(store.generations()) <= 1 else 0)
         seen_at_staging = []
@@ -312,7 +295,7 @@ def test_refusal_after_pruning_keeps_the_latest(tmp_path, monkeypatch):
             ckpt.save(state)
     saved = _clone(full_state(state))
     step(state)
-    with ts.CheckpointManager(tmp_path, keep_last=2) as ckpt:
+    with ts.CheckpointManager(tmp_path, retention=ts.Retention(keep_last=2)) as ckpt:
         _fake(monkeypatch, ckpt, 0)
         with pytest.raises(ts.InsufficientSpace, match="after pruning what the retention policy allows"):
             ckpt.save(state)
@@ -320,7 +303,7 @@ def test_refusal_after_pruning_keeps_the_latest(tmp_path, monkeypatch):
     assert _gens(tmp_path) == ["gen-000000000002", "gen-000000000003"]  # policy allowed dropping gen 1 only
     assert _hidden(tmp_path) == []
     resumed = build(seed=5)
-    with ts.CheckpointManager(tmp_path, keep_last=2) as ckpt:
+    with ts.CheckpointManager(tmp_path, retention=ts.Retention(keep_last=2)) as ckpt:
         assert ckpt.restore(resumed).generation.name == "gen-000000000003"
     assert_same(full_state(resumed), saved)
 

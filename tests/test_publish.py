@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -143,23 +142,34 @@ def test_keep_last_prunes_after_commit_and_spares_foreign_and_newer(tmp_path):
     assert json.loads((tmp_path / "latest").read_text())["generation"] == "gen-000000000005"
 
 
-def test_same_update_twice_is_refused_for_latest_and_replaces_an_orphan(tmp_path):
+def test_same_update_twice_is_a_no_op_a_changed_state_is_refused_and_an_orphan_is_superseded(tmp_path):
     state = build()
     step(state)
     with ts.CheckpointManager(tmp_path) as ckpt:
-        ckpt.save(state)
+        first = ckpt.save(state)
+        before = {n: (tmp_path / n / "manifest.json").read_bytes() for n in _names(tmp_path) if n.startswith("gen-")}
+        assert ckpt.save(state) == first  # a final save right after a periodic one: nothing written
+        counters = dict(state.counters)
+        state.counters["epoch"] = 7  # the state changed, but next_update did not advance
         with pytest.raises(ts.GenerationExists, match="next_update"):
             ckpt.save(state)
+        state.counters = counters
+        with pytest.raises(ts.GenerationExists, match="metrics"):
+            ckpt.save(state, metrics={"loss": 1.0})  # would silently drop the metric
+        after = {n: (tmp_path / n / "manifest.json").read_bytes() for n in _names(tmp_path) if n.startswith("gen-")}
+        assert after == before
         step(state)
         ckpt.save(state)
     # simulate a crash after rename but before the pointer moved: pointer back at gen 1
     (tmp_path / "latest").write_bytes(_pointer_for(tmp_path, "gen-000000000001"))
     resumed = build(seed=4)
     with ts.CheckpointManager(tmp_path) as ckpt:
-        assert ckpt.restore(resumed).generation.name == "gen-000000000001"
+        info = ckpt.restore(resumed)
+        assert info.generation.name == "gen-000000000001" and info.identical_continuation
         step(resumed)
-        ckpt.save(resumed)  # gen 2 exists but is not committed: it is replaced, not refused
+        ckpt.save(resumed)  # gen 2 exists but was never published: it is superseded, not refused
         assert ckpt.latest() == "gen-000000000002"
+    assert [n for n in _names(tmp_path) if n.startswith("gen-")] == ["gen-000000000001", "gen-000000000002"]
 
 
 def _pointer_for(directory: Path, name: str) -> bytes:
@@ -180,14 +190,8 @@ def test_sha256_digest_option(tmp_path):
 
 
 @pytest.fixture
-def tiny_fs(tmp_path):
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode:
-        pytest.skip("needs root and permission to mount a tmpfs to produce a real ENOSPC")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+def tiny_fs(tmpfs):
+    return tmpfs.mount("3m", "tiny")  # a real ENOSPC (see conftest.tmpfs)
 
 
 @pytest.mark.parametrize("preflight", [False, True], ids=["mid-write-enospc", "preflight-refusal"])

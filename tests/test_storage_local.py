@@ -82,6 +82,17 @@ class BlindToLeftovers(LocalStore):
         return []
 
 
+class HidesEvidence(LocalStore):
+    def aside(self):
+        return []
+
+
+class ReinstatesOverAnother(LocalStore):
+    def reinstate(self, aside, generation):
+        shutil.rmtree(self.root / generation, ignore_errors=True)
+        os.rename(self.root / aside, self.root / generation)
+
+
 class PointerAppends(LocalStore):
     def write_pointer(self, name, data):
         with open(self.root / name, "ab") as f:
@@ -97,6 +108,8 @@ class PointerAppends(LocalStore):
     (SetAsideDeletes, "test_set_aside_keeps_the_files_out_of_sight"),
     (BlindToLeftovers, "test_interrupted_staging_is_a_leftover_for_the_next_handle"),
     (PointerAppends, "test_pointer_absent_then_replaced_whole"),
+    (HidesEvidence, "test_set_aside_entries_are_listed_as_evidence"),
+    (ReinstatesOverAnother, "test_reinstate_puts_a_generation_back_and_never_over_another"),
 ])
 def test_the_suite_fails_a_backend_that_breaks_the_contract(tmp_path, broken, clause):
     store = broken(tmp_path / "run")

@@ -20,23 +20,23 @@ exactly as if it had never stopped::
 from .version import __version__
 
 from .asyncsave import AsyncSaveFailed, SaveHandle
-from .state.contract import fingerprint
-from .data.files import data_manifest
-from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
-                     ExistingRun, FieldChange, GenerationExists, InsufficientSpace, InvalidArgument, InvalidType,
-                     NoValidGeneration, PendingGradients, PointerRollback, ReadOnlyDirectory, Rejection,
-                     RunDirectoryGone, StateMismatch, TopologyMismatch, TrainStateError, UnsupportedValue,
-                     WeightsOnlyGeneration)
 from .data.evaluation import evaluating
+from .data.files import data_manifest
 from .data.loader import ResumableLoader
-from .manager import Cadence, CheckpointManager, GenerationInfo, RestoreInfo, Status
+from .data.samplerng import SampleIndex, sample_generator
+from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
+                     ExistingRun, FieldChange, GenerationExists, GenerationNotFound, InsufficientSpace,
+                     InvalidArgument, InvalidType, NoValidGeneration, PendingGradients, PinNotFound, PointerRollback,
+                     ReadOnlyDirectory, Rejection, RunDirectoryGone, StaleIterator, StateMismatch, TopologyMismatch,
+                     TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
+from .format.signing import SigningKey
 from .lifecycle.preemption import EXIT_PREEMPTED, PreemptionHandler
 from .lifecycle.rehearsal import Rehearsal
 from .lifecycle.retention import Retention
-from .format.signing import SigningKey
-from .data.samplerng import SampleIndex, sample_generator
+from .manager import Cadence, CheckpointManager, GenerationInfo, RestoreInfo, Status
+from .state.contract import fingerprint
 from .state.train_state import TrainState
-from .warmstart import warm_start
+from .warmstart import WarmStartInfo, warm_start
 
 __all__ = [
     "AsyncSaveFailed",
@@ -52,11 +52,13 @@ __all__ = [
     "FieldChange",
     "GenerationExists",
     "GenerationInfo",
+    "GenerationNotFound",
     "InsufficientSpace",
     "InvalidArgument",
     "InvalidType",
     "NoValidGeneration",
     "PendingGradients",
+    "PinNotFound",
     "PointerRollback",
     "PreemptionHandler",
     "ReadOnlyDirectory",
@@ -69,12 +71,14 @@ __all__ = [
     "SampleIndex",
     "SaveHandle",
     "SigningKey",
+    "StaleIterator",
     "StateMismatch",
     "Status",
     "TopologyMismatch",
     "TrainState",
     "TrainStateError",
     "UnsupportedValue",
+    "WarmStartInfo",
     "WeightsOnlyGeneration",
     "__version__",
     "data_manifest",

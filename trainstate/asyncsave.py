@@ -12,23 +12,43 @@ At most ``max_in_flight`` saves are staged or writing at a time; a further
 The writer publishes in order, so pointers move in save order. A failed
 background save is reported exactly once: by its handle's ``wait()`` if the
 caller asks, otherwise by the manager's next ``save``, ``wait`` or ``close``.
+
+Ctrl-C. CPython raises a KeyboardInterrupt wherever it checks for signals:
+on entering a function, after any call returns, on a loop's backward jump.
+So the two steps that move a slot between owners are single operations that
+record themselves in the writer's state (the claim is one dict store, the
+hand-off one append to the queue), and the cleanup after an interrupt reads
+the owner from there (:meth:`Writer.settle`), not from a local variable the
+interrupt may have skipped. The writer synchronises with C-level locks only:
+``threading.Condition``, ``Semaphore``, ``Future`` and ``Thread.start`` run
+Python code while holding their own locks, where an interrupt can leave a
+lock held for good.
+
+Fork. A forked child starts with no save in flight and none of the parent's
+failures, as it starts with none of its directory locks: the parent's writer
+thread does not exist in the child, so the parent's saves are the parent's
+to publish and report.
 """
 
 from __future__ import annotations
 
+import _thread
+import concurrent.futures.thread  # noqa: F401  (registers its exit hook now, so that ours runs before it)
 import logging
+import os
+import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from .errors import TrainStateError
+from .errors import InvalidArgument, TrainStateError
 
 log = logging.getLogger("trainstate")
-_WRITERS: weakref.WeakSet = weakref.WeakSet()
+_WRITERS: weakref.WeakSet = weakref.WeakSet()  # every live Writer
 
 
 def _drain_at_exit() -> None:
@@ -41,7 +61,22 @@ def _drain_at_exit() -> None:
         writer.drain()
 
 
+def _forget_parent_saves() -> None:
+    """In a forked child, every writer starts empty (see :meth:`Writer._forget_parent`)."""
+    parent = os.getppid()
+    for writer in list(_WRITERS):
+        writer._forget_parent(parent)
+
+
 threading._register_atexit(_drain_at_exit)  # private, but the only hook that runs early enough
+os.register_at_fork(after_in_child=_forget_parent_saves)
+
+
+def _waiter() -> Any:
+    """A held lock that one waiter blocks on until someone releases it (a C lock: no Python code inside)."""
+    lock = _thread.allocate_lock()
+    lock.acquire()
+    return lock
 
 
 class AsyncSaveFailed(TrainStateError):
@@ -77,9 +112,9 @@ class StagingBuffers:
                     stream = streams[tensor.device] = torch.cuda.Stream(tensor.device)
                     stream.wait_stream(torch.cuda.current_stream(tensor.device))  # pending kernels first
                 with torch.cuda.stream(stream):
-                    buffer.copy_(tensor.detach(), non_blocking=buffer.is_pinned())
+                    _copy(buffer, tensor, non_blocking=buffer.is_pinned())
             else:
-                buffer.copy_(tensor.detach())
+                _copy(buffer, tensor)
             copies[name] = buffer
         for stream in streams.values():
             stream.synchronize()  # the copy must be complete before the caller may mutate the source
@@ -90,98 +125,221 @@ class StagingBuffers:
         return sum(b.nbytes for b in self._buffers.values())
 
 
+_CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy(buffer: torch.Tensor, tensor: torch.Tensor, non_blocking: bool = False) -> None:
+    """``buffer.copy_(tensor)``, also for dtypes torch has no copy kernel for (sub-byte, bits, some float8).
+
+    Those are copied as same-size integers, which keeps every bit at any strides.
+    """
+    source = tensor.detach()
+    try:
+        buffer.copy_(source, non_blocking=non_blocking)
+    except NotImplementedError:
+        carrier = _CARRIERS.get(source.element_size())
+        if carrier is None:
+            raise
+        buffer.view(carrier).copy_(source.view(carrier), non_blocking=non_blocking)
+
+
 class SaveHandle:
     """One background save: ``done()``, ``wait()`` / ``result()`` (the GenerationInfo or the failure)."""
 
-    def __init__(self, generation: str, future: Future, reported: Callable[[SaveHandle], None]):
+    def __init__(self, generation: str, writer: Writer):
         self.generation = generation
-        self._future = future
-        self._reported = reported
+        self._writer = writer
+        self._finished = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._waiters: list[Any] = []  # locks released when it finishes (guarded by the writer's lock)
+        self._forked_from: int | None = None  # in a forked child: the process it is in flight in
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._finished
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until published; return its GenerationInfo, or raise :class:`AsyncSaveFailed`.
 
-        A failure raised here is not raised again by the manager.
+        A failure raised here is not raised again by the manager. Raises
+        ``TimeoutError`` if ``timeout`` seconds pass first.
         """
-        try:
-            return self._future.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException as exc:
-            self._reported(self)
-            raise AsyncSaveFailed(f"background save of {self.generation} failed: {type(exc).__name__}: {exc}. "
-                                  "Nothing of it was published; the previous latest stands.") from exc
+        if not self._writer._wait_for(self, timeout):
+            raise TimeoutError(f"background save of {self.generation} still in flight after {timeout} s")
+        if self._forked_from is not None:
+            raise AsyncSaveFailed(
+                f"background save of {self.generation} was in flight in process {self._forked_from} when this "
+                "process was forked from it; that process publishes or reports it, and this one cannot wait for "
+                "it. To see it here, wait for background saves before forking.")
+        if self._error is not None:
+            self._writer._mark_reported(self)
+            raise AsyncSaveFailed(f"background save of {self.generation} failed: {type(self._error).__name__}: "
+                                  f"{self._error}. Nothing of it was published; the previous latest stands."
+                                  ) from self._error
+        return self._result
 
     result = wait
 
     def __repr__(self) -> str:
-        state = "running" if not self.done() else ("failed" if self._future.exception() else "published")
+        state = ("running" if not self._finished else "forked away" if self._forked_from is not None
+                 else "failed" if self._error is not None else "published")
         return f"SaveHandle({self.generation!r}, {state})"
 
 
+class Ticket:
+    """One background save on its way from a slot claim to the writer; ``handle`` once handed off."""
+
+    __slots__ = ("handle", "job")
+
+    def __init__(self) -> None:
+        self.handle: SaveHandle | None = None
+        self.job: Callable[[], Any] | None = None
+
+
 class Writer:
-    """One writer thread, a bounded number of saves in flight, and unreported failures."""
+    """One writer thread, a bounded number of saves in flight, and unreported failures.
+
+    A background save, on the caller's thread: a :class:`Ticket`, then
+    :meth:`reserve` (waits for a free slot, claims it), staging into the
+    slot's buffers, :meth:`hand_off` (from then on the writer owns slot and
+    job); if anything raises on the way, :meth:`settle` frees the slot unless
+    the hand-off happened. A writer thread runs from a hand-off until the
+    queue is empty, publishing in hand-off order.
+    """
 
     def __init__(self, max_in_flight: int):
         if type(max_in_flight) is not int or max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+            raise InvalidArgument(f"max_in_flight must be a positive int, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
-        self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._pool = [StagingBuffers() for _ in range(max_in_flight)]
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._in_flight: list[SaveHandle] = []
-        self._unreported: list[SaveHandle] = []
+        self._pool = [StagingBuffers() for _ in range(max_in_flight)]  # slot i stages into _pool[i]
         self.high_water = 0  # most saves ever in flight at once (for tests and status)
+        self._reset()
+        _WRITERS.add(self)
+
+    def _reset(self) -> None:
+        """No slot claimed, nothing queued, no writer thread, no failures."""
+        self._lock = threading.Lock()  # C-level: `with` takes and releases it with no Python code between
+        self._claims: dict[int, Ticket] = {}  # slot -> the save holding it
+        self._queue: deque[Ticket] = deque()  # handed off, in order; the head is being written
+        self._slot_waiters: list[Any] = []  # released whenever a slot is freed
+        self._serving: object | None = None  # the running writer thread's token
+        self._unreported: list[SaveHandle] = []
 
     def in_flight(self) -> int:
         with self._lock:
-            return len(self._in_flight)
+            return len(self._queue)
 
-    def acquire(self) -> StagingBuffers:
-        """Wait for a free slot (backpressure); returns that slot's buffers."""
-        self._slots.acquire()
+    # the caller's side of a save ----------------------------------------------
+    def reserve(self, ticket: Ticket) -> StagingBuffers:
+        """Wait for a free slot (backpressure) and claim it for ``ticket``; returns its buffers."""
+        while True:
+            waiter = _waiter()
+            with self._lock:
+                for slot, buffers in enumerate(self._pool):
+                    if slot not in self._claims:
+                        self._claims[slot] = ticket  # the claim: one store, where settle() looks for it
+                        return buffers
+                self._slot_waiters.append(waiter)
+            waiter.acquire()
+
+    def hand_off(self, ticket: Ticket, generation: str, job: Callable[[], Any]) -> SaveHandle:
+        """Queue ``job`` (which publishes ``generation`` from ``ticket``'s buffers) for the writer thread.
+
+        The append to the queue is the last step: before it the caller owns
+        the slot, after it the writer does.
+        """
+        ticket.handle, ticket.job = SaveHandle(generation, self), job
         with self._lock:
-            return self._pool.pop()
+            if self._serving is None:
+                self._start_writer()
+            self.high_water = max(self.high_water, len(self._queue) + 1)
+            self._queue.append(ticket)  # the hand-off
+        return ticket.handle
 
-    def release_unused(self, buffers: StagingBuffers) -> None:
+    def settle(self, ticket: Ticket) -> bool:
+        """After an exception in a save: True if the writer owns ``ticket``; otherwise free its slot.
+
+        It may follow an interrupt anywhere between the claim and the
+        hand-off, so it asks the writer's state, not the caller's locals:
+        handed off means queued, or already finished.
+        """
         with self._lock:
-            self._pool.append(buffers)
-        self._slots.release()
+            if ticket in self._queue or (ticket.handle is not None and ticket.handle._finished):
+                return True
+            freed = self._unclaim(ticket)
+            waiters, self._slot_waiters = (self._slot_waiters, []) if freed else ([], self._slot_waiters)
+        for waiter in waiters:
+            waiter.release()
+        return False
 
-    def submit(self, generation: str, buffers: StagingBuffers, job: Callable[[], Any]) -> SaveHandle:
-        handle: SaveHandle | None = None
+    def _unclaim(self, ticket: Ticket) -> bool:
+        slots = [slot for slot, owner in self._claims.items() if owner is ticket]
+        for slot in slots:
+            del self._claims[slot]
+        return bool(slots)
 
-        def run() -> Any:
-            # The bookkeeping happens here, on the writer thread, before the future resolves: a waiter
-            # woken by the result must find the failure already recorded (done-callbacks run later).
-            failed: BaseException | None = None
+    # the writer thread ---------------------------------------------------------
+    def _start_writer(self) -> None:
+        """Start a writer thread (under the lock, so it first sees the queue after this hand-off)."""
+        token = object()
+        # Not threading.Thread: its start() waits on an Event, whose lock an interrupt can leave held,
+        # and the new thread would then hang before publishing anything.
+        _thread.start_new_thread(self._serve, (token,))
+        self._serving = token  # recorded after the start: a thread whose token never was stops at once
+
+    def _serve(self, token: object) -> None:
+        """Publish the queued saves in order; stop when the queue is empty."""
+        while True:
+            with self._lock:
+                if self._serving is not token:  # its start was interrupted before it was recorded
+                    return
+                if not self._queue:  # the hand-off that started it was interrupted before the append
+                    self._serving = None
+                    return
+                ticket = self._queue[0]
+            result, failed = None, None
             try:
-                return job()
-            except BaseException as exc:
+                result = ticket.job()
+            except BaseException as exc:  # raised to the caller later, once
                 failed = exc
-                raise
-            finally:
-                with self._lock:  # submit holds it until `handle` exists
-                    self._in_flight.remove(handle)
-                    if failed is not None:
-                        self._unreported.append(handle)
-                        log.error("background save of %s failed: %r", generation, failed)
-                    self._pool.append(buffers)
-                self._slots.release()
+            if self._finish(ticket, result, failed):
+                return
 
+    def _finish(self, ticket: Ticket, result: Any, failed: BaseException | None) -> bool:
+        """Record the outcome, free the slot, then wake the waiters; True when the queue is now empty.
+
+        All of it is recorded before anyone wakes: a waiter woken by the
+        result finds a failure already among the unreported ones.
+        """
+        handle = ticket.handle
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-writer")
-                _WRITERS.add(self)
-            future = self._executor.submit(run)
-            handle = SaveHandle(generation, future, self._mark_reported)
-            self._in_flight.append(handle)
-            self.high_water = max(self.high_water, len(self._in_flight))
-        return handle
+            self._queue.popleft()
+            self._unclaim(ticket)
+            handle._result, handle._error, handle._finished = result, failed, True
+            if failed is not None:
+                self._unreported.append(handle)
+            waiters = handle._waiters + self._slot_waiters
+            handle._waiters, self._slot_waiters = [], []
+            idle = not self._queue
+            if idle:
+                self._serving = None  # this thread stops; the next hand-off starts another
+        if failed is not None:
+            log.error("background save of %s failed: %r", handle.generation, failed)
+        for waiter in waiters:
+            waiter.release()
+        return idle
+
+    # waiting and reporting -----------------------------------------------------
+    def _wait_for(self, handle: SaveHandle, timeout: float | None = None) -> bool:
+        """Block until ``handle``'s save has finished; False if ``timeout`` seconds passed first."""
+        waiter = _waiter()
+        with self._lock:
+            if handle._finished:
+                return True
+            handle._waiters.append(waiter)
+        if timeout is None:
+            return waiter.acquire()
+        return waiter.acquire(timeout=min(max(timeout, 0.0), threading.TIMEOUT_MAX))
 
     def _mark_reported(self, handle: SaveHandle) -> None:
         with self._lock:
@@ -191,9 +349,9 @@ class Writer:
     def drain(self) -> None:
         """Wait for every save in flight (failures stay unreported)."""
         with self._lock:
-            pending = list(self._in_flight)
+            pending = [ticket.handle for ticket in self._queue]
         for handle in pending:
-            handle._future.exception()  # waits without raising
+            self._wait_for(handle)
 
     def raise_unreported(self) -> None:
         """Raise the oldest unreported failure (once), with its original exception chained."""
@@ -206,15 +364,32 @@ class Writer:
     def failures(self) -> list[tuple[str, BaseException | None]]:
         """Unreported failures: (generation, original exception)."""
         with self._lock:
-            return [(h.generation, h._future.exception()) for h in self._unreported]
+            return [(h.generation, h._error) for h in self._unreported]
 
     def unreported(self) -> list[str]:
         with self._lock:
             return [h.generation for h in self._unreported]
 
     def shutdown(self) -> None:
+        """Finish every save in flight (the writer thread stops by itself once the queue is empty)."""
         self.drain()
-        with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+
+    # fork ----------------------------------------------------------------------
+    def _forget_parent(self, parent: int) -> None:
+        """In a forked child: start empty; the parent's saves and failures stay the parent's.
+
+        Every lock is replaced, never acquired: the parent's writer thread may
+        have held one at the fork, and that thread does not exist here.
+        """
+        for ticket in self._queue:
+            ticket.handle._forked_from, ticket.handle._waiters, ticket.handle._finished = parent, [], True
+        self._reset()
+
+
+def report_at_exit(writer: Writer, directory: str) -> None:
+    """Never lose a background failure silently, even if close() was never called."""
+    writer.drain()
+    for generation, cause in writer.failures():
+        message = (f"trainstate: background save of {generation} in {directory} failed and was never reported "
+                   f"(close() or wait() was not called); it was not published. Cause: {cause!r}")
+        print(message, file=sys.stderr)  # printed, not logged: logging may already be shut down

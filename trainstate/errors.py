@@ -19,6 +19,9 @@ describes the same situation, the subclass inherits it too, so existing
     │                                    nothing restorable; lists every rejection
     ├── GenerationExists(FileExistsError) refusing to overwrite a published generation
     ├── ExistingRun(FileExistsError)     a state that was never restored would save over another run
+    ├── GenerationNotFound(FileNotFoundError) a generation named by the caller does not exist
+    ├── PinNotFound(KeyError)            no pin of that name
+    ├── StaleIterator(RuntimeError)      an iterator used after a newer one replaced it
     ├── PointerRollback                  ``latest`` names an older generation than a newer valid one
     ├── InsufficientSpace(OSError)       the disk cannot hold the next generation (errno ENOSPC)
     ├── ReadOnlyDirectory(PermissionError) saving into a directory this process cannot write
@@ -68,6 +71,8 @@ class FieldChange:
     new: object
 
     def describe(self) -> str:
+        if isinstance(self.old, (list, tuple)) and isinstance(self.new, (list, tuple)):
+            return f"{self.field}: {_sequence_difference(self.old, self.new)}"
         return f"{self.field}: checkpoint has {_short(self.old)}, this run has {_short(self.new)}"
 
 
@@ -76,24 +81,45 @@ def _short(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _sequence_difference(old: list | tuple, new: list | tuple, shown: int = 3) -> str:
+    """Where two long lists (class names, say) differ: the first differing positions with both values."""
+    differing = [i for i in range(min(len(old), len(new))) if old[i] != new[i]]
+    parts = [f"position {i}: checkpoint has {_short(old[i], 80)}, this run has {_short(new[i], 80)}"
+             for i in differing[:shown]]
+    if len(differing) > shown:
+        parts.append(f"{len(differing) - shown} more positions differ")
+    if len(old) != len(new):
+        parts.append(f"length {len(old)} in the checkpoint, {len(new)} in this run")
+    return "; ".join(parts) or f"checkpoint has {_short(old)}, this run has {_short(new)}"
+
+
 class ContractMismatch(TrainStateError):
     """The experiment contract of the checkpoint differs from the live run.
 
     ``changes`` lists each differing field. Nothing was loaded into the live
     objects. Pass ``allow_changes=[field, ...]`` to ``restore`` to accept a
-    deliberate change; it is then recorded in the generation history.
+    deliberate change; it is then recorded in the generation history. Fields
+    in ``fixed`` (a data loader's plan) cannot be accepted: the saved position
+    would name other samples.
     """
 
-    def __init__(self, generation: str, changes: list[FieldChange]):
+    def __init__(self, generation: str, changes: list[FieldChange], fixed: list[str] = ()):
         self.generation = generation
         self.changes = list(changes)
+        self.fixed = list(fixed)
         lines = "\n  ".join(c.describe() for c in self.changes)
-        fields = ", ".join(repr(c.field) for c in self.changes)
-        super().__init__(
-            f"experiment contract of {generation} differs from this run; nothing was loaded:\n  {lines}\n"
-            f"If the change is deliberate, pass allow_changes=[{fields}] to restore(); "
-            "it will be recorded in the run history and not reported as an identical continuation."
-        )
+        acceptable = [c.field for c in self.changes if c.field not in self.fixed]
+        advice = []
+        if acceptable:
+            advice.append(f"If the change is deliberate, pass allow_changes=[{', '.join(map(repr, acceptable))}] to "
+                          "restore(); it will be recorded in the run history and not reported as an identical "
+                          "continuation.")
+        if self.fixed:
+            advice.append(f"{', '.join(self.fixed)} cannot change within a run (the saved data position would "
+                          "name other samples): construct the loader with the checkpoint's values to resume, or "
+                          "start a new run from these weights with warm_start().")
+        super().__init__(f"experiment contract of {generation} differs from this run; nothing was loaded:\n  "
+                         f"{lines}\n" + " ".join(advice))
 
 
 class UnsupportedValue(TrainStateError, TypeError):
@@ -166,6 +192,21 @@ class NoValidGeneration(TrainStateError, FileNotFoundError):
 
 class GenerationExists(TrainStateError, FileExistsError):
     """A published generation with that name already exists and is never overwritten."""
+
+
+class StaleIterator(TrainStateError, RuntimeError):
+    """An iterator used after a newer one replaced it (a loader iterated again, or restored)."""
+
+
+class GenerationNotFound(TrainStateError, FileNotFoundError):
+    """A generation named by the caller does not exist in the run directory."""
+
+
+class PinNotFound(TrainStateError, KeyError):
+    """No pin of that name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 class ExistingRun(TrainStateError, FileExistsError):

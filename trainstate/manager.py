@@ -12,23 +12,22 @@ anything is loaded). Retention, cadence and status are thin entry points over
 from __future__ import annotations
 
 import logging
-import math
-import sys
 import time
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from . import publish
+from .lifecycle import runs
 from . import restore as restore_mod
-from .asyncsave import SaveHandle, Writer
-from .errors import NoValidGeneration, Rejection
+from .asyncsave import SaveHandle, Ticket, Writer, report_at_exit
+from .errors import InvalidArgument, InvalidType, NoValidGeneration, ReadOnlyDirectory, Rejection
 from .format import signing
 from .format.manifest import parse_generation_name
 from .format.signing import SigningKey
 from .lifecycle import cadence as cadence_mod
 from .lifecycle.cadence import Cadence, Clock
-from .lifecycle.generations import Lifecycle
+from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, Rehearsal, rehearse
 from .lifecycle.retention import Plan, Retention
 from .records import GenerationInfo, RestoreInfo, Status
@@ -39,15 +38,6 @@ from .storage.local import LocalStore
 
 __all__ = ["Cadence", "CheckpointManager", "GenerationInfo", "IN_PLACE_BYTES", "RestoreInfo", "Status"]
 log = logging.getLogger("trainstate")
-
-
-def _report_at_exit(writer: Writer, directory: str) -> None:
-    """Never lose a background failure silently, even if close() was never called."""
-    writer.drain()
-    for generation, cause in writer.failures():
-        message = (f"trainstate: background save of {generation} in {directory} failed and was never reported "
-                   f"(close() or wait() was not called); it was not published. Cause: {cause!r}")
-        print(message, file=sys.stderr)  # printed, not logged: logging may already be shut down
 
 
 class CheckpointManager:
@@ -79,26 +69,25 @@ class CheckpointManager:
     The manager holds an exclusive lock on the directory while open.
     """
 
-    def __init__(self, directory: str | Path, *, keep_last: int = 3, retention: Retention | None = None,
+    def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
                  digest: str = "blake3", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
                  store: Store | None = None, rehearse: Factory | None = None, preflight: bool = True,
                  headroom: float = 0.05, cadence: Cadence | None = None, max_in_flight: int = 1):
-        if type(keep_last) is not int or keep_last < 1:
-            raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
-        if retention is not None and keep_last != 3:
-            raise ValueError("pass keep_last inside retention=Retention(keep_last=...), not both")
-        if verify not in ("full", "fast"):
-            raise ValueError(f"verify must be 'full' or 'fast', got {verify!r}")
-        if not (math.isfinite(headroom) and 0 <= headroom <= 10):
-            raise ValueError(f"headroom must be a fraction in [0, 10], got {headroom!r}")
-        if rehearse is not None and not callable(rehearse):
-            raise TypeError("rehearse must be a function returning a fresh TrainState")
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise InvalidArgument(f"keep_last must be a positive int, got {keep_last!r}")
+        if retention is not None and keep_last is not None:
+            raise InvalidArgument("pass keep_last inside retention=Retention(keep_last=...), not both")
+        if retention is not None and not isinstance(retention, Retention):
+            raise InvalidType(f"retention must be a trainstate.Retention, got {type(retention).__name__}")
+        publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
         self.store: Store = store if store is not None else LocalStore(directory, digest)
         self.key = signing.resolve(signing_key, directory)
-        self.retention = retention if retention is not None else Retention(keep_last=keep_last)
         self.rehearse_factory = rehearse
         self.cadence = cadence
         self.lifecycle = Lifecycle(self.store, self.key)
+        self.retention = runs.effective_policy(self.lifecycle, keep_last, retention)
+        self._new_timelines: set[str] = set()  # declared by start_new_timeline()
+        self._same_run: set[str] = set()  # timelines already checked against the directory's run
         self._publisher = publish.Publisher(self.store, self.lifecycle, self.retention, key=self.key,
                                             verify_mode=verify, rehearse_factory=rehearse, preflight=preflight,
                                             headroom=headroom)
@@ -107,7 +96,7 @@ class CheckpointManager:
         self._last_full_update: int | None = None
         self._origin: int | None = None  # where the cadence started counting (first due() call)
         self._writer = Writer(max_in_flight)
-        weakref.finalize(self, _report_at_exit, self._writer, str(directory))
+        weakref.finalize(self, report_at_exit, self._writer, str(directory))
         self._started: str | None = None  # last generation prepared (captured at a boundary)
         self._staged: str | None = None  # last background save whose owned copy exists
         self._committed: str | None = None  # last generation published by this manager
@@ -118,7 +107,10 @@ class CheckpointManager:
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
-        self.store.lock()
+        try:
+            self.store.lock()
+        except ReadOnlyDirectory as exc:  # restore and inspection need no lock; a save raises this again
+            log.info("%s", exc)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -128,8 +120,11 @@ class CheckpointManager:
         """Finish every background save, release the directory, then raise any unreported failure."""
         try:
             self._writer.shutdown()
-        finally:
-            self.store.unlock()
+        except BaseException:  # interrupted (Ctrl-C): a save still being written keeps the directory locked
+            if not self._writer.in_flight():
+                self.store.unlock()
+            raise
+        self.store.unlock()
         failed = self._writer.unreported()
         if failed:
             self._writer.raise_unreported()
@@ -155,29 +150,38 @@ class CheckpointManager:
         """
         self._writer.raise_unreported()
         if not blocking and self.rehearse_factory is not None:
-            raise ValueError("rehearse= builds objects (and may draw global RNG) while training runs; it cannot "
+            raise InvalidArgument("rehearse= builds objects (and may draw global RNG) while training runs; it cannot "
                              "run beside a background save. Use blocking saves, or rehearse out of process with "
                              "`trainstate verify DIR --rehearse module:function`.")
         started = time.monotonic()
         if blocking:
             self._writer.drain()  # publish in order behind any background save
             self._writer.raise_unreported()
-            pending = self._prepare(state, weights_only, include_grads, metrics)
-            info = self._publish_or_roll_back(pending, state)
+            undo = state.parent, self._last_full_update
+            try:
+                pending = self._prepare(state, weights_only, include_grads, metrics)
+                info = self._publish_or_roll_back(pending, state)
+            except BaseException:
+                self._unprepare(state, undo)  # interrupted before the publication could roll it back
+                raise
             self._clock.saved(time.monotonic() - started)
             return info
-        buffers = self._writer.acquire()  # backpressure: waits while max_in_flight saves are in flight
+        # Ctrl-C may land anywhere from here to the hand-off: settle() tells whose slot it is.
+        ticket, undo = Ticket(), None
         try:
+            buffers = self._writer.reserve(ticket)  # backpressure: waits while max_in_flight saves are in flight
             self._writer.raise_unreported()  # one may have failed while we waited
+            undo = state.parent, self._last_full_update
             pending = self._prepare(state, weights_only, include_grads, metrics)
             pending.tensors = buffers.stage(pending.tensors)
+            self._writer.hand_off(ticket, pending.name, lambda: self._publish_or_roll_back(pending, state))
         except BaseException:
-            self._writer.release_unused(buffers)
+            if not self._writer.settle(ticket) and undo is not None:  # not handed off: nothing will publish
+                self._unprepare(state, undo)
             raise
         self._staged = pending.name
-        handle = self._writer.submit(pending.name, buffers, lambda: self._publish_or_roll_back(pending, state))
         self._clock.saved(time.monotonic() - started)  # the stall is what blocks training
-        return handle
+        return ticket.handle
 
     def wait(self) -> None:
         """Wait for every background save; raise the first failure not yet reported."""
@@ -186,6 +190,8 @@ class CheckpointManager:
 
     def _prepare(self, state: TrainState, weights_only: bool, include_grads: bool,
                  metrics: Mapping[str, float] | None) -> publish.Pending:
+        self.store.lock()  # before anything else: a vanished or read-only directory is named as such
+        self._check_same_run(state)
         pending = publish.prepare(state, self.retention, weights_only=weights_only, include_grads=include_grads,
                                   metrics=metrics)
         self._started = pending.name
@@ -193,12 +199,35 @@ class CheckpointManager:
             self._last_full_update = state.next_update
         return pending
 
+    def _unprepare(self, state: TrainState, undo: tuple[str | None, int | None]) -> None:
+        """A save that publishes nothing: the state again descends from what was published before it."""
+        parent, last_full = undo
+        if state.parent not in (parent, self._committed):  # not already rolled back, not published
+            state.parent, self._last_full_update = parent, last_full
+
+    def _check_same_run(self, state: TrainState) -> None:
+        self._same_run.add(runs.check_same_run(self.lifecycle, state.lineage, self._same_run | self._new_timelines))
+
+    def start_new_timeline(self, state: TrainState) -> None:
+        """Declare that ``state`` starts a new timeline in this directory instead of continuing its run.
+
+        Nothing is deleted: generations of the old timeline are never counted
+        or pruned automatically, and one at an update the new timeline reaches
+        is set aside as ``abandoned``. Use it for a deliberate restart from
+        scratch in the same directory; to continue the run, ``restore`` instead.
+        """
+        state.lineage = [[new_timeline(), None]]
+        state.parent = None
+        self._new_timelines.add(state.lineage[-1][0])
+
     def _publish_or_roll_back(self, p: publish.Pending, state: TrainState) -> GenerationInfo:
         """Publish; if that fails, the state again descends from what was actually published."""
         try:
             info = self._publisher.publish(p)
         except BaseException:
-            if publish.roll_back(p, state):
+            if self._publisher.published == p.name:  # interrupted after the pointer moved: it is published
+                self._committed = p.name
+            elif publish.roll_back(p, state):
                 self._last_full_update = parse_generation_name(p.parent)[0] if p.parent else self._origin
             raise
         self._committed = p.name
@@ -243,7 +272,7 @@ class CheckpointManager:
         Also measures the update time (saves excluded) for :meth:`advice` and :meth:`status`.
         """
         if self.cadence is None:
-            raise ValueError("due() needs CheckpointManager(..., cadence=Cadence(mtbf_s=...))")
+            raise InvalidArgument("due() needs CheckpointManager(..., cadence=Cadence(mtbf_s=...))")
         self._clock.boundary()
         interval = self._interval()
         since = self._last_full_update
@@ -271,9 +300,9 @@ class CheckpointManager:
         return updates if self.cadence.max_updates is None else min(updates, self.cadence.max_updates)
 
     def status(self) -> Status:
-        """The recovery point (last full generation), weights-only latest, pins, best and measurements."""
+        """The recovery point (where a restore would resume), weights-only latest, pins, best, measurements."""
         anchors = self.lifecycle.anchors()
-        full = anchors.get("full")
+        full = restore_mod.recovery_point(self.store, self.key)
         return Status(self.store.location, full, parse_generation_name(full)[0] if full else None,
                       anchors.get("weights"), len(self.store.generations()), self.lifecycle.pins(), self.best(),
                       self._clock.saves[-1] if self._clock.saves else None, self._clock.mean(self._clock.saves),

@@ -27,14 +27,17 @@ import dataclasses
 import datetime
 import logging
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CorruptGeneration, GenerationExists, InsufficientSpace, PendingGradients
+from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, InvalidArgument, InvalidType,
+                     PendingGradients)
 from .format import tensorfile
-from .format.manifest import (MANIFEST, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer, check_name,
-                              generation_name, parse_generation_name, parse_pointer)
+from .format.manifest import (FORMAT_VERSION, MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, Pointer,
+                              check_name, generation_name, parse_generation_name, parse_pointer, parse_run,
+                              run_to_bytes)
 from .format.signing import SigningKey
 from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, rehearse
@@ -44,7 +47,7 @@ from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store
-from .storage.verify import verify_generation
+from .storage.verify import Verified, verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
@@ -69,12 +72,23 @@ class Pending:
                 + len(snapshot.state_json(self.skeleton)))
 
 
+def check_options(*, verify: str, rehearse: Factory | None, headroom: float) -> None:
+    """The manager's publication options, checked when it is built rather than at the first save."""
+    if verify not in ("full", "fast"):
+        raise InvalidArgument(f"verify must be 'full' or 'fast', got {verify!r}")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not (
+            math.isfinite(headroom) and 0 <= headroom <= 10):
+        raise InvalidArgument(f"headroom must be a fraction in [0, 10], got {headroom!r}")
+    if rehearse is not None and not callable(rehearse):
+        raise InvalidType("rehearse must be a function returning a fresh TrainState")
+
+
 def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     out = {}
     for name, value in (metrics or {}).items():
         check_name("metric", name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"metric {name!r} must be a finite number, got {value!r}")
+            raise InvalidArgument(f"metric {name!r} must be a finite number, got {value!r}")
         out[name] = float(value)
     return out
 
@@ -144,13 +158,40 @@ class Publisher:
         self.rehearse_factory = rehearse_factory
         self.preflight = preflight
         self.headroom = headroom
+        self.published: str | None = None  # the last generation whose pointer move completed
 
     def publish(self, p: Pending) -> GenerationInfo:
-        """Publish ``p``: durable, verified and named by its pointer when this returns."""
+        """Publish ``p``: durable, verified and named by its pointer when this returns.
+
+        Saving again at an update that already has a generation of this
+        timeline holding the same state writes nothing and returns that
+        generation's info.
+        """
         self.store.lock()
-        self.make_room(p.name, p.extra["lineage"])
+        self.finish_interrupted_replacements()
+        existing = self.make_room(p)
+        if isinstance(existing, GenerationInfo):
+            return existing
+        superseded = existing  # the old generation of this name, set aside until the pointer has moved
+        try:
+            info = self._publish_new(p)
+        except BaseException:
+            if superseded is not None:
+                self._put_back(superseded, p.name)
+            raise
+        try:  # published: a failure from here on is logged, never raised as a failed save
+            if superseded is not None:
+                self.store.remove(superseded)
+            self.prune({p.kind: p.name})
+        except Exception as exc:
+            log.error("%s is published, but cleaning up after it failed (%r); the next save retries", p.name, exc)
+        return info
+
+    def _publish_new(self, p: Pending) -> GenerationInfo:
+        """Steps 3 to 8: everything up to and including the pointer move."""
         for leftover in self.store.clean_leftovers():
             log.info("removed leftover %s from an interrupted save", leftover)
+        p.extra["run"] = self.run_identity()
         if self.preflight:
             self.check_space(p.name, p.estimated_bytes)
         manifest_bytes = self.stage_and_commit(p)
@@ -166,57 +207,132 @@ class Publisher:
         pointer = Pointer(p.name, verified.manifest_digest, verified.manifest_size,
                           verified.manifest.digest_algorithm, p.next_update, p.kind)
         self.store.write_pointer(POINTER if p.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(self.key))
-        self.prune({p.kind: p.name})
+        self.published = p.name  # durably: from here on the save has succeeded, whatever happens next
         return GenerationInfo.from_verified(self.store, verified)
 
+    def _put_back(self, superseded: str, name: str) -> None:
+        """A replacement failed: the generation it was to replace goes back under its name."""
+        try:
+            if name in self.store.generations():
+                self.store.remove(name)  # committed, then failed verification or rehearsal
+            self.store.reinstate(superseded, name)
+            log.warning("publishing the replacement of %s failed; the previous %s is back in place", name, name)
+        except Exception as exc:  # the original failure is what the caller must see
+            log.error("could not put %s back as %s (%r); the next save will", superseded, name, exc)
+
+    def finish_interrupted_replacements(self) -> None:
+        """Complete what a crash in the middle of a replacement left.
+
+        A superseded generation whose name is free again was being replaced
+        when the process died: it goes back. One whose name holds a
+        committed replacement has been replaced: it is removed.
+        """
+        generations = set(self.store.generations())
+        for aside in self.store.aside():
+            name, _, rest = aside.partition(".")
+            if not rest.startswith("superseded-"):
+                continue
+            if name in generations:
+                log.info("removing %s: an interrupted replacement had already published %s", aside, name)
+                self.store.remove(aside)
+            else:
+                log.warning("putting %s back as %s: its replacement never completed", aside, name)
+                self.store.reinstate(aside, name)
+                generations.add(name)
+
     # 2. an existing generation of the same name --------------------------------
-    def make_room(self, name: str, lineage: list) -> None:
+    def make_room(self, p: Pending) -> GenerationInfo | str | None:
         """Decide what happens to an existing generation with the name about to be published.
 
-        A damaged one (restore fell back past it) is moved aside under a name
-        restore ignores, keeping the evidence. A pinned one is never replaced.
-        The committed latest is never replaced by the same timeline (saving
-        the same update twice is an error); one from a timeline this run
-        abandoned (it resumed from an older generation) is moved aside as
-        evidence. A valid generation that the pointer does not name is an
-        interrupted or abandoned publication of this update, superseded. The
-        latest weights-only generation is superseded too: weights-only files are
-        not restart protection, and a resumed run reaches their update again.
+        Returns ``None`` when the name is free (or was freed without losing
+        anything), the name the old generation was set aside under when it
+        is to be replaced (removed only after the pointer has moved), or the
+        existing generation's info when it already holds this state.
+
+        - A damaged one (restore fell back past it) is moved aside under a
+          name restore ignores, keeping the evidence.
+        - A pinned one is never replaced.
+        - One from a timeline this run abandoned (it resumed from an older
+          generation, or started a new timeline) is moved aside as evidence.
+        - One of this timeline at the same update: if it holds the same state
+          (the same ``state.json``) and no new metrics, saving again is a
+          no-op; otherwise the state changed without ``next_update``
+          advancing, which is refused.
+        - A valid generation that the pointer does not name (an interrupted
+          publication of this update), and the latest weights-only generation
+          when a resumed run reaches its update again, are superseded.
         """
+        name = p.name
         if name not in self.store.generations():
-            return
+            return None
         kind = parse_generation_name(name)[1]
         committed = self.committed_name(kind)
         try:
-            existing = verify_generation(self.store, name, key=self.key).manifest
+            verified = verify_generation(self.store, name, key=self.key)
         except CorruptGeneration as exc:
             aside = self.store.set_aside(name, "rejected")
             log.warning("moved damaged %s aside to %s before publishing over it: %s", name, aside, exc)
-            return
+            return None
+        existing = verified.manifest
         try:
-            pinned = sorted(p for p, g in self.lifecycle.pins().items() if g == name)
+            pinned = sorted(pin for pin, g in self.lifecycle.pins().items() if g == name)
         except CorruptGeneration:
             pinned = ["? (the pins file is unreadable)"]
         if pinned:
             raise GenerationExists(f"{name} exists and is pinned ({', '.join(pinned)}); a pinned generation is "
                                    "never replaced. Unpin it first, or save at another update.")
-        if kind == "weights" and committed == name:
-            log.warning("replacing %s, the latest weights-only generation: the run resumed from an earlier full "
-                        "generation and reached this update again", name)
-            self.store.remove(name)
-            return
-        if kind == "full" and not _same_timeline(existing.lineage, lineage):
+        if kind == "full" and not _same_timeline(existing.lineage, p.extra["lineage"]):
             aside = self.store.set_aside(name, "abandoned")
-            log.warning("moved %s aside to %s: it belongs to a timeline this run abandoned when it resumed from an "
-                        "older generation", name, aside)
-            return
-        if committed is None or committed == name:
+            log.warning("moved %s aside to %s: it belongs to a timeline this run abandoned", name, aside)
+            return None
+        if kind == "full" and (committed == name or p.parent == name) and existing.format_version == FORMAT_VERSION:
+            return self._same_update_again(p, verified)
+        if existing.format_version != FORMAT_VERSION:
+            log.info("replacing %s (format %d) with the same update in format %d", name, existing.format_version,
+                     FORMAT_VERSION)
+            return self.store.set_aside(name, "superseded")
+        if kind == "weights" and committed == name:
+            log.info("replacing %s, the latest weights-only generation: the run resumed from an earlier full "
+                     "generation and reached this update again", name)
+        else:
+            log.warning("replacing %s, which is not the committed latest (%s): it is an interrupted or "
+                        "abandoned publication of the same update", name, committed)
+        return self.store.set_aside(name, "superseded")
+
+    def _same_update_again(self, p: Pending, verified: Verified) -> GenerationInfo:
+        """A second save at an update this timeline already published: a no-op if nothing changed."""
+        existing = verified.manifest
+        with self.store.open(p.name, STATE) as stream:
+            saved_state = stream.read(existing.file(STATE).size + 1)
+        new_metrics = p.extra["metrics"]
+        if saved_state != snapshot.state_json(p.skeleton):
             raise GenerationExists(
-                f"{name} is already published{' as latest' if committed else ''}; generations are immutable. "
-                "Advance state.next_update between saves.")
-        log.warning("replacing %s, which is not the committed latest (%s): it is an interrupted or "
-                    "abandoned publication of the same update", name, committed)
-        self.store.remove(name)
+                f"{p.name} is already published and the state changed since (counters, facts, optimizer or "
+                "scheduler settings, RNG, or pending gradients differ) although next_update did not advance. "
+                "Advance state.next_update after each update; generations are immutable.")
+        if new_metrics and new_metrics != existing.metrics:
+            raise GenerationExists(
+                f"{p.name} is already published with metrics {existing.metrics}; a save at the same update "
+                f"cannot add {new_metrics}. Pass the metrics to the first save at this update.")
+        log.info("%s already holds this state (the same update on the same timeline): nothing written", p.name)
+        return GenerationInfo.from_verified(self.store, verified)
+
+    def run_identity(self) -> str:
+        """The run directory's identity, bound into every manifest; recorded (durably) before the first commit.
+
+        A damaged record is rewritten with the identity the newest full
+        generation carries, so the run's own generations keep matching.
+        """
+        try:
+            data = self.store.read_pointer(RUN)
+            if data is not None:
+                return parse_run(data, RUN, self.key)
+        except CorruptGeneration as exc:
+            log.error("the run identity record is damaged (%s); rewriting it", exc)
+        newest = self.lifecycle.newest_full()
+        run = newest.run if newest is not None and newest.run else secrets.token_hex(16)
+        self.store.write_pointer(RUN, run_to_bytes(run, self.key))
+        return run
 
     def committed_name(self, kind: str) -> str | None:
         """The generation the pointer of ``kind`` names (unverified), if the pointer parses."""
@@ -275,7 +391,10 @@ class Publisher:
 
     # 9. prune -------------------------------------------------------------------
     def prune(self, published: dict[str, str]) -> None:
-        """Prune by policy, anchored on what was just published (and the other kind's verified pointer)."""
+        """Prune by policy, anchored on what was just published (and the other kind's verified pointer).
+
+        Runs only once the pointer has moved; the caller logs rather than raises its failures.
+        """
         anchors = {**self.lifecycle.anchors(), **published}
         try:
             self.lifecycle.prune(self.retention, anchors)

@@ -48,8 +48,9 @@ class RestoreInfo:
 class Status:
     """What the run directory protects right now, and what the manager has measured.
 
-    ``recovery_point`` is the newest *full* generation the ``latest`` pointer
-    names: a restart resumes there. Weights-only generations never count as
+    ``recovery_point`` is the full generation a restart would resume from:
+    the one ``latest`` names, or, when that one is damaged, the newest that
+    verifies (judged by structure; ``trainstate verify`` reads every byte). Weights-only generations never count as
     restart protection; ``latest_weights`` is reported on its own.
     """
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from .errors import CorruptGeneration, NoValidGeneration, Rejection, StateMismatch, WeightsOnlyGeneration
-from .format.manifest import POINTER, Manifest, Pointer, parse_generation_name, parse_pointer
+from .errors import (CorruptGeneration, NoValidGeneration, PointerRollback, Rejection, StateMismatch,
+                     WeightsOnlyGeneration)
+from .format.manifest import POINTER, RUN, Manifest, Pointer, parse_generation_name, parse_pointer, parse_run
 from .format.signing import SigningKey
 from .lifecycle.generations import new_timeline
 from .records import GenerationInfo, RestoreInfo
@@ -48,7 +50,17 @@ def restore(store: Store, state: TrainState, *, key: SigningKey | None, generati
     See :meth:`trainstate.CheckpointManager.restore` for the semantics.
     """
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
-    chosen, rejected = choose(store, key, generation, preview=in_place)
+    held = HeldFiles(store)  # the second, in-place pass reads the very files the first pass verified
+    try:
+        return _restore(held, state, key=key, generation=generation, allow=allow,
+                        statistical_cuda=statistical_cuda, in_place=in_place)
+    finally:
+        held.close()
+
+
+def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generation: str | None, allow: list[str],
+             statistical_cuda: bool, in_place: bool | None) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+    chosen, rejected, interrupted = choose(store, key, generation, preview=in_place)
     if chosen is None:
         return None, rejected
     verified, payload, previewed = chosen
@@ -70,17 +82,21 @@ def restore(store: Store, state: TrainState, *, key: SigningKey | None, generati
         report = getattr(component, "restore_warnings", None)
         warnings += list(report()) if callable(report) else []
     state.parent = name
-    state.lineage = continue_lineage(store, verified.manifest)
+    state.lineage = continue_lineage(store, verified.manifest, ignore=interrupted)
     return RestoreInfo(GenerationInfo.from_verified(store, verified), rejected, tuple(accepted),
                        tuple(warnings)), rejected
 
 
 def choose(store: Store, key: SigningKey | None, generation: str | None, preview: bool | None = False
-           ) -> tuple[Chosen | None, tuple[Rejection, ...]]:
-    """The generation to restore, verified and decoded, and the rejections on the way to it.
+           ) -> tuple[Chosen | None, tuple[Rejection, ...], tuple[str, ...]]:
+    """The generation to restore, verified and decoded, the rejections on the way to it, and the
+    interrupted saves passed over (see :func:`candidates`).
 
     ``(None, ())`` when the directory holds nothing to resume from; raises
     :class:`NoValidGeneration` when generations exist but none verifies.
+    A generation that disappears while it is read (pruned by a live writer)
+    is not damage: the choice starts again from the pointer, a bounded
+    number of times.
     """
     if generation is not None:
         parsed = parse_generation_name(generation)
@@ -88,29 +104,150 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
             raise WeightsOnlyGeneration(
                 f"{generation} holds weights only: restoring it is a warm start, not a resume. "
                 "Use warm_start() to load its weights, or restore a full generation.")
-        return load(store, key, generation, None, preview), ()
-    rejected: list[Rejection] = []
+        return load(store, key, generation, None, preview, run=expected_run(store, key)), (), ()
+    for _ in range(VANISHED_RETRIES):
+        order = candidates(store, key)
+        rejected = list(order.rejected)
+        vanished = False
+        for name in order.names:
+            try:
+                chosen = load(store, key, name, order.pointer if name == order.pointer_generation else None, preview,
+                              run=order.run)
+            except CorruptGeneration as exc:
+                if name in order.listed and name not in store.generations():
+                    vanished = True  # pruned under us by a live writer: not damage, start over
+                    log.info("%s disappeared while being read (pruned by a writer); choosing again", name)
+                    break
+                rejected.append(Rejection(name, str(exc)))
+                log.warning("rejected %s: %s", name, exc)
+                continue
+            return chosen, tuple(rejected), order.interrupted if name == order.pointer_generation else ()
+        if vanished:
+            continue
+        if not order.names and order.pointer is None and not order.rejected:
+            return None, (), ()
+        raise NoValidGeneration(store.location, rejected)
+    raise NoValidGeneration(store.location, [Rejection(store.location, f"generations kept disappearing while "
+                                                                       f"read ({VANISHED_RETRIES} attempts)")])
+
+
+VANISHED_RETRIES = 8
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The order in which restore tries full generations, and why it passed over the pointer, if it did."""
+
+    names: tuple[str, ...]
+    pointer: Pointer | None
+    rejected: tuple[Rejection, ...]
+    listed: frozenset[str] = frozenset()  # the generations present when the order was made
+    interrupted: tuple[str, ...] = ()  # committed one step past the pointer, never published
+    run: str | None = None  # the directory's run identity: a generation of another run is refused
+
+    @property
+    def pointer_generation(self) -> str | None:
+        return self.pointer.generation if self.pointer is not None else None
+
+
+def candidates(store: Store, key: SigningKey | None) -> Candidates:
+    """Full generations in the order restore tries them (reads only manifests, never tensor data).
+
+    The pointer's generation first, then every other full generation newest
+    first by parsed update number. A valid generation newer than the
+    pointer's on the pointer's own timeline goes before it: the pointer
+    was left behind, by a crash between a commit and the pointer move (one
+    step, a generation whose parent is the pointer's) or by a ``latest``
+    copied back into place. Unsigned, that is logged loudly and the newest
+    valid one wins; in a signed run it means tampering and raises
+    :class:`PointerRollback`. One step ahead (a single newer generation whose
+    parent is the pointer's) is what an interrupted save leaves: it was
+    never published, and restore resumes from the pointer as before.
+    """
     names = store.generations()
-    candidates = [n for n in names if parse_generation_name(n)[1] == "full"]
-    pointer, pointer_problem = read_pointer(store, key, bool(candidates))
-    if pointer_problem:
-        rejected.append(Rejection(POINTER, pointer_problem))
-    if not candidates and len(names) and pointer is None:
+    full = [n for n in names if parse_generation_name(n)[1] == "full"]
+    run = expected_run(store, key)
+    pointer, problem = read_pointer(store, key, bool(full))
+    rejected = [Rejection(POINTER, problem)] if problem else []
+    if not full and names and pointer is None:
         log.warning("%s holds only weights-only generations: nothing to resume, starting fresh "
                     "(use warm_start() to initialise from them)", store.location)
-    if pointer is not None:
-        candidates = [pointer.generation] + [n for n in candidates if n != pointer.generation]
-    for name in candidates:
+    if pointer is None:
+        return Candidates(tuple(full), None, tuple(rejected), frozenset(full), run=run)
+    rest = [n for n in full if n != pointer.generation]
+    ahead = _descendants_ahead(store, key, pointer, rest, run)
+    if ahead and len(ahead) == 1 and ahead[0][1].parent == pointer.generation:
+        # One step ahead: a save interrupted between its commit and its pointer move (or one that failed
+        # after the commit and said so). It was never published: resume from the pointer, and let the next
+        # save at that update supersede it.
+        log.info("%s: %s is committed but was never named by latest (an interrupted save); resuming from %s",
+                 store.location, ahead[0][0], pointer.generation)
+        return Candidates(tuple([pointer.generation] + rest), pointer, tuple(rejected), frozenset(full),
+                          interrupted=(ahead[0][0],), run=run)
+    if ahead:
+        newest = ahead[0][0]
+        if key is not None:
+            raise PointerRollback(
+                f"{store.location}: latest names {pointer.generation}, but {newest}, a newer validly signed "
+                f"generation of the same timeline, exists ({len(ahead)} newer in all): the pointer was rolled back. "
+                "Nothing was loaded. Find out who replaced the pointer; to resume deliberately from a generation, "
+                "pass restore(state, generation=...).")
+        reason = (f"names {pointer.generation}, but {newest} and {len(ahead) - 1} more are newer generations of "
+                  "the same timeline: the pointer was rolled back (copied back into place?); restoring the newest "
+                  "valid generation instead")
+        log.error("%s: latest %s", store.location, reason)
+        rejected.append(Rejection(POINTER, reason))
+        first = [name for name, _ in ahead]
+        return Candidates(tuple(first + [pointer.generation] + [n for n in rest if n not in first]), pointer,
+                          tuple(rejected), frozenset(full), run=run)
+    return Candidates(tuple([pointer.generation] + rest), pointer, tuple(rejected), frozenset(full), run=run)
+
+
+def _descendants_ahead(store: Store, key: SigningKey | None, pointer: Pointer, others: list[str],
+                       run: str | None) -> list[tuple[str, Manifest]]:
+    """Structurally valid full generations newer than the pointer's that descend from it, newest first."""
+    newer = [n for n in others if parse_generation_name(n)[0] > pointer.next_update]
+    if not newer:
+        return []
+    try:
+        base = verify_generation(store, pointer.generation, pointer, content=False, key=key).manifest
+    except CorruptGeneration:
+        return []  # the pointer's own generation is damaged: the ordinary fallback handles it
+    if not base.lineage:
+        return []  # written before timelines were recorded: no way to tell a descendant
+    own = base.lineage[-1][0]
+    out = []
+    for name in newer:
         try:
-            chosen = load(store, key, name, pointer if pointer and name == pointer.generation else None, preview)
-        except CorruptGeneration as exc:
-            rejected.append(Rejection(name, str(exc)))
-            log.warning("rejected %s: %s", name, exc)
+            manifest = verify_generation(store, name, content=False, key=key).manifest
+            check_run(manifest, run)
+        except CorruptGeneration:
             continue
-        return chosen, tuple(rejected)
-    if not candidates and pointer is None and not pointer_problem:
-        return None, ()
-    raise NoValidGeneration(store.location, rejected)
+        if any(t == own and (end is None or base.next_update <= end) for t, end in manifest.lineage):
+            out.append((name, manifest))
+    return out
+
+
+def recovery_point(store: Store, key: SigningKey | None) -> str | None:
+    """The generation a restore would start from, judged by structure (manifests and sizes, no tensor data).
+
+    ``None`` when there is none, or when a signed run's pointer was rolled
+    back (restore refuses then). A generation whose bytes were altered passes
+    this check and fails restore's full verification; ``trainstate verify``
+    reads every byte.
+    """
+    try:
+        order = candidates(store, key)
+    except PointerRollback:
+        return None
+    for name in order.names:
+        try:
+            check_run(verify_generation(store, name, order.pointer if name == order.pointer_generation else None,
+                                        content=False, key=key).manifest, order.run)
+            return name
+        except CorruptGeneration:
+            continue
+    return None
 
 
 def read_pointer(store: Store, key: SigningKey | None, generations_exist: bool
@@ -128,7 +265,26 @@ def read_pointer(store: Store, key: SigningKey | None, generations_exist: bool
     return pointer, None
 
 
-def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | None, preview: bool | None) -> Chosen:
+def expected_run(store: Store, key: SigningKey | None) -> str | None:
+    """The run identity the directory records, or ``None`` (none recorded yet, or the record is unusable)."""
+    try:
+        data = store.read_pointer(RUN)
+        return None if data is None else parse_run(data, RUN, key)
+    except CorruptGeneration as exc:
+        log.warning("%s: the run identity record is unusable (%s); generations are not checked against it",
+                    store.location, exc)
+        return None
+
+
+def check_run(manifest: Manifest, run: str | None) -> None:
+    """A generation published into another run directory (copied in, or a transplanted pointer) is refused."""
+    if run and manifest.run and manifest.run != run:
+        raise CorruptGeneration(manifest.generation, f"belongs to run {manifest.run[:16]}, not to this directory's "
+                                f"run {run[:16]}: it was copied in from another run directory")
+
+
+def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | None, preview: bool | None,
+         run: str | None = None) -> Chosen:
     """Verify a generation completely while decoding it; any defect is a CorruptGeneration.
 
     With ``preview`` (``None``: when the tensor files exceed ``IN_PLACE_BYTES``)
@@ -136,6 +292,7 @@ def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | Non
     """
     verified = verify_generation(store, name, pointer, content=False, key=key)
     manifest = verified.manifest
+    check_run(manifest, run)
     if preview is None:
         preview = sum(f.size for f in manifest.files if f.name.endswith(".safetensors")) > IN_PLACE_BYTES
     return verified, decode_verified(store, manifest, preview=preview), preview
@@ -152,18 +309,67 @@ def load_in_place(store: Store, state: TrainState, verified: Verified) -> dict[s
             "and find what is writing to the run directory.") from exc
 
 
-def continue_lineage(store: Store, manifest: Manifest) -> list[list]:
+class HeldFiles:
+    """A view of a store that keeps open every file it opens, until :meth:`close`.
+
+    Published generations are immutable and only ever removed, so a file
+    held open reads the same bytes even after a concurrent prune unlinks it:
+    the in-place pass then loads exactly what the verifying pass checked.
+    """
+
+    def __init__(self, store: Store):
+        self._store = store
+        self._held: dict[tuple[str, str], Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def open(self, generation: str, file: str) -> Any:
+        stream = self._held.get((generation, file))
+        if stream is None:
+            stream = self._held[(generation, file)] = self._store.open(generation, file)
+        stream.seek(0)
+        return _Borrowed(stream)
+
+    def close(self) -> None:
+        for stream in self._held.values():
+            stream.close()
+        self._held.clear()
+
+
+class _Borrowed:
+    """A held stream lent to one reader: closing it (or leaving ``with``) leaves it open for the next pass."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def __enter__(self) -> _Borrowed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def continue_lineage(store: Store, manifest: Manifest, ignore: tuple[str, ...] = ()) -> list[list]:
     """The timelines a run restored from ``manifest`` continues.
 
     Resuming from the newest full generation continues its timeline.
     Resuming from an older one (a fallback past a damaged latest, or an
     explicit ``generation=``) forks: full generations above it then belong
     to an abandoned timeline, which retention never counts as ancestors.
+    An interrupted save (``ignore``) does not fork: it was never published,
+    and the next save at its update supersedes it.
     """
     record = [list(e) for e in manifest.lineage] or [["legacy", None]]
     update = manifest.next_update
     newer = [n for n in store.generations() if (p := parse_generation_name(n)) and p[1] == "full"
-             and p[0] > update]
+             and p[0] > update and n not in ignore]
     if not newer:
         return record
     return record[:-1] + [[record[-1][0], update], [new_timeline(), None]]

@@ -2,33 +2,85 @@
 
 A warm start sets no clock, restores no RNG and loads no optimizer state, so
 the run that follows is a new run initialised from old weights. It accepts
-full and weights-only generations alike.
+full and weights-only generations alike. Every key and shape is checked
+before the first weight is copied: a strict warm start that cannot load
+everything loads nothing, and a non-strict one loads exactly the entries that
+fit and says which it skipped.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .errors import NoValidGeneration, Rejection, StateMismatch
-from .errors import CorruptGeneration
+from .errors import CorruptGeneration, NoValidGeneration, Rejection, StateMismatch
 from .format import signing
-from .storage.local import LocalStore
-from .format.signing import SigningKey
-from .manager import GenerationInfo
 from .format.manifest import MANIFEST, parse_generation_name
+from .format.signing import SigningKey
+from .records import GenerationInfo
+from .storage.local import LocalStore
 from .storage.verify import load_verified
+
+log = logging.getLogger("trainstate")
+
+
+@dataclass(frozen=True)
+class WarmStartInfo:
+    """What a warm start loaded and what it left alone.
+
+    ``missing``: the module's entries the checkpoint does not have (left as
+    they were); ``unexpected``: the checkpoint's entries the module does not
+    have; ``mismatched``: entries of both whose shapes differ, as
+    ``(key, saved shape, module shape)`` (left as they were).
+    """
+
+    generation: GenerationInfo
+    loaded: tuple[str, ...]
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    mismatched: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        """True when every entry of the module was loaded and nothing in the checkpoint was left over."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def describe(self) -> str:
+        parts = [f"{len(self.loaded)} entries of {self.generation.name} fit"]
+        if self.missing:
+            parts.append(f"missing from the checkpoint: {_names(self.missing)}")
+        if self.unexpected:
+            parts.append(f"not in the module: {_names(self.unexpected)}")
+        if self.mismatched:
+            parts.append("different shapes: " + ", ".join(f"{k} (checkpoint {tuple(a)}, module {tuple(b)})"
+                                                           for k, a, b in self.mismatched[:10])
+                         + (f" and {len(self.mismatched) - 10} more" if len(self.mismatched) > 10 else ""))
+        return "; ".join(parts)
+
+
+def _names(keys: tuple[str, ...], limit: int = 10) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def warm_start(source: str | Path, module: torch.nn.Module, *, component: str = "model",
-               strict: bool = True, signing_key: SigningKey | bytes | str | None = None) -> GenerationInfo:
+               strict: bool = True, signing_key: SigningKey | bytes | str | None = None) -> WarmStartInfo:
     """Load ``component``'s weights from a run directory or one generation directory into ``module``.
 
     From a run directory, the newest generation (full or weights-only) that
-    verifies is used. ``strict`` is passed to ``load_state_dict``.
+    verifies is used. With ``strict=True`` every entry must match by name and
+    shape, or :class:`StateMismatch` is raised before anything is loaded.
+    With ``strict=False`` (fine-tuning with a new head, say) the entries that
+    match are loaded and the rest are reported in the returned
+    :class:`WarmStartInfo`.
 
-    >>> ts.warm_start("runs/pretrain", model, strict=False)
+    >>> info = ts.warm_start("runs/pretrain", model, strict=False)
+    >>> info.mismatched     # e.g. (("head.weight", (1000, 512), (10, 512)), ...)
     """
     path = Path(source)
     if parse_generation_name(path.name) and (path / MANIFEST).exists():
@@ -44,8 +96,34 @@ def warm_start(source: str | Path, module: torch.nn.Module, *, component: str = 
         except CorruptGeneration as exc:
             rejected.append(Rejection(name, str(exc)))
             continue
-        if type(state) is not dict or "state" not in state:
-            raise StateMismatch(f"component {component!r} in {name} is malformed")
-        module.load_state_dict(state["state"], strict=strict)
-        return GenerationInfo.from_verified(store, verified)
+        if type(state) is not dict or not isinstance(state.get("state"), Mapping):
+            raise StateMismatch(f"component {component!r} in {name} is not a module's state dict")
+        return _load(module, state["state"], GenerationInfo.from_verified(store, verified), strict)
     raise NoValidGeneration(str(source), rejected)
+
+
+def _load(module: torch.nn.Module, saved: Mapping[str, Any], info: GenerationInfo, strict: bool) -> WarmStartInfo:
+    live = module.state_dict()
+    missing = tuple(k for k in live if k not in saved)
+    unexpected = tuple(k for k in saved if k not in live)
+    mismatched, fits = [], {}
+    for key_, value in saved.items():
+        if key_ not in live:
+            continue
+        target = live[key_]
+        if isinstance(target, torch.nn.parameter.UninitializedParameter) or not isinstance(target, torch.Tensor):
+            fits[key_] = value  # materialised (lazy modules) or handled by the module itself
+        elif not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+            saved_shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+            mismatched.append((key_, saved_shape, tuple(target.shape)))
+        else:
+            fits[key_] = value
+    report = WarmStartInfo(info, tuple(fits), missing, unexpected, tuple(mismatched))
+    if strict and not report.complete:
+        raise StateMismatch(
+            f"warm start from {info.name} does not fit the module; nothing was loaded ({report.describe()}). "
+            "Pass strict=False to load the entries that fit and leave the rest as they are.")
+    module.load_state_dict(fits, strict=False)
+    if not report.complete:
+        log.info("warm start: %s", report.describe())
+    return report

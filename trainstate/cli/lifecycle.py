@@ -13,7 +13,7 @@ from typing import Any
 
 from ..lifecycle import cadence as cadence_mod
 from ..format import signing
-from ..errors import TrainStateError
+from ..errors import InvalidArgument, TrainStateError
 from ..lifecycle.generations import Lifecycle
 from ..storage.local import LocalStore
 from ..format.manifest import generation_name, parse_generation_name
@@ -30,12 +30,12 @@ def _lifecycle(directory: str) -> tuple[LocalStore, Lifecycle]:
 
 def _policy(life: Lifecycle, args: argparse.Namespace) -> tuple[Retention, str]:
     """The run's own policy (from its newest full manifest), with flags applied on top."""
-    record: dict[str, Any] = {}
-    source = "defaults"
-    full = life.anchors().get("full")
-    if full is not None:
-        record = dict(read_manifest(life.store, full, key=life.key)[0].retention)
-        source = f"{full}'s manifest" if record else "defaults (the run recorded no policy)"
+    recorded, generation = life.recorded_policy()
+    record: dict[str, Any] = _policy_json(recorded) if recorded is not None else {}
+    if recorded is not None:
+        source = f"{generation}'s manifest"
+    else:
+        source = "defaults" if generation is None else "defaults (the run recorded no policy)"
     if record.get("best") is not None:
         record["best"] = tuple(record["best"])
     for flag in ("keep_last", "keep_last_weights", "milestone_every"):
@@ -61,6 +61,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             store.unlock()
     if args.json:
         print(json.dumps({"policy": _policy_json(policy), "policy_source": source, "dry_run": args.dry_run,
+                          "note": decided.note,
                           "decisions": [{"generation": d.generation, "keep": d.keep, "reasons": list(d.reasons)}
                                         for d in decided.decisions]}, indent=1))
         return 0
@@ -96,7 +97,7 @@ def disk_plan(policy: Retention, *, total_updates: int, every: int, size: int, p
               weights_every: int | None = None, weights_size: int = 0) -> dict[str, Any]:
     """Simulate a run's saves through the retention plan: peak and final bytes, milestones (pure)."""
     if total_updates < 1 or every < 1 or size < 0:
-        raise ValueError("total_updates and every must be positive, size non-negative")
+        raise InvalidArgument("total_updates and every must be positive, size non-negative")
     saves = [(u, "full") for u in range(every, total_updates + 1, every)]
     if weights_every:
         saves += [(u, "weights") for u in range(weights_every, total_updates + 1, weights_every)
@@ -154,7 +155,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"milestones kept: {report['milestones'] or 'none'}")
     print(f"peak disk (kept generations + one being staged{', + best' if policy.best else ''}"
           f"{', + pinned' if pinned else ''}): {report['peak_bytes']:,} B")
-    print(f"at the end: {report['final_bytes']:,} B; (K+M+1)*S bound: {report['upper_bound_bytes']:,} B")
+    terms = "(K+M+1)*S" + (" + S (the best, when it is older than the last K)" if policy.best else "") + (
+        " + pinned" if pinned else "")
+    print(f"at the end: at most {report['final_bytes']:,} B; bound {terms}: {report['upper_bound_bytes']:,} B")
     if report["free_bytes"] is not None:
         verdict = "fits" if report["peak_bytes"] <= report["free_bytes"] else "DOES NOT FIT"
         print(f"free now: {report['free_bytes']:,} B -> {verdict}")

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from . import lifecycle as cli_lifecycle
 from ..format import signing
-from ..errors import CorruptGeneration, TrainStateError
+from ..errors import CorruptGeneration, InvalidArgument, TrainStateError
 from ..storage.local import LocalStore
 from ..format.signing import SigningKey
 from ..format.manifest import POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
 from ..lifecycle.generations import Lifecycle
 from ..lifecycle.rehearsal import load_factory, rehearse
+from ..restore import check_run, expected_run, recovery_point
 from ..storage.verify import read_layouts, read_manifest, read_state_json, verify_generation
 
 DESCRIPTION = """\
@@ -72,9 +74,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except (TrainStateError, OSError) as exc:
             row.update(size=None, created=None, state=f"INVALID: {exc}")
         rows.append(row)
-    full = pointers.get(POINTER, {})
-    recovery = full.get("generation") if full.get("ok") and any(
-        r["generation"] == full.get("generation") and not r["state"].startswith("INVALID") for r in rows) else None
+    recovery = recovery_point(store, key)
     pins: dict[str, str] = {}
     try:
         pins = Lifecycle(store, key).pins()
@@ -83,8 +83,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "created": None, "state": f"INVALID: {exc}"})
     for r in rows:
         r["pins"] = sorted(p for p, g in pins.items() if g == r["generation"])
+    evidence = [{"name": n, "reason": n.split(".", 1)[1].rsplit("-", 1)[0]} for n in store.aside()]
     report = {"directory": store.location, "generations": rows, "leftovers": store.leftovers(),
-              "recovery_point": recovery, "pins": pins,
+              "set_aside": evidence, "recovery_point": recovery, "pins": pins,
               "pointers": {k: {kk: vv for kk, vv in v.items() if kk != "pointer"} for k, v in pointers.items()}}
     if args.json:
         print(json.dumps(report, indent=1))
@@ -94,7 +95,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         size = "-" if r["size"] is None else f"{r['size']:,}"
         print(f"{r['generation']:<26}{r['update']:>10}  {r['kind']:<8}{size:>12}  {r['created'] or '-':<33}"
               f"{r['latest'] or '':<16}{r['state']}{'  pinned: ' + ', '.join(r['pins']) if r['pins'] else ''}")
-    if recovery:
+    latest = pointers.get(POINTER, {}).get("generation")
+    if recovery and latest not in (None, recovery):
+        print(f"recovery point: {recovery} (a restart resumes here; latest names {latest}, which it passes over)")
+    elif recovery:
         print(f"recovery point: {recovery} (a restart resumes here)")
     else:
         print("recovery point: none (no valid full generation; weights-only generations are not restart protection)")
@@ -103,6 +107,38 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"pointer {name}: INVALID: {p['error']}")
     for name in report["leftovers"]:
         print(f"leftover from an interrupted save (removed by the next save): {name}")
+    for entry in evidence:
+        print(f"set aside ({_ASIDE_WHY.get(entry['reason'], entry['reason'])}): {entry['name']}; "
+              f"after review: trainstate discard {store.location} {entry['name']}")
+    return 0
+
+
+_ASIDE_WHY = {"rejected": "damaged, kept as evidence", "abandoned": "a timeline the run left, kept as evidence",
+              "superseded": "being replaced; the next save finishes that"}
+
+
+def cmd_discard(args: argparse.Namespace) -> int:
+    """Delete set-aside generations after review (never a generation restore could use)."""
+    store = LocalStore(args.directory, create=False)
+    aside = store.aside()
+    names = [n for n in aside if ".superseded-" not in n] if args.all else list(args.names)
+    unknown = [n for n in names if n not in aside or ".superseded-" in n]
+    if unknown or not names:
+        raise InvalidArgument(
+            f"nothing to discard: {', '.join(unknown) or '(no names given)'} "
+            f"{'is' if len(unknown) == 1 else 'are'} not set-aside entries of {store.location}; "
+            f"`trainstate ls {store.location}` lists them (rejected and abandoned ones can be discarded)")
+    store.lock()  # a live run may be setting something aside right now
+    try:
+        for name in names:
+            store.remove(name)
+    finally:
+        store.unlock()
+    if args.json:
+        print(json.dumps({"discarded": names}))
+    else:
+        for name in names:
+            print(f"discarded {name}")
     return 0
 
 
@@ -110,10 +146,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     store, names, single = _open_target(args.target)
     key = signing.resolve(None, store.location)
     failures: list[dict[str, str]] = []
+    if not names:
+        failures.append({"generation": args.target, "error": "holds no generations: nothing to verify (is it the "
+                         "run directory? a save creates gen-<update> directories in it)"})
     checked = []
+    run = expected_run(store, key)
     for name in names:
         try:
-            verify_generation(store, name, key=key)
+            check_run(verify_generation(store, name, key=key).manifest, run)
             checked.append(name)
         except (TrainStateError, OSError) as exc:
             failures.append({"generation": name, "error": str(exc)})
@@ -145,6 +185,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 rehearsed = {"generation": target, "checks": list(result.checks), "warnings": list(result.warnings)}
             except (TrainStateError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
                 failures.append({"generation": target, "error": f"rehearsal failed: {type(exc).__name__}: {exc}"})
+    args.broken_pipe_status = 1 if failures else 0  # a reader that stops early must not turn a failure into 0
     if args.json:
         out: dict[str, Any] = {"verified": checked, "failures": failures}
         if args.rehearse:
@@ -157,8 +198,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"rehearsed {rehearsed['generation']} into fresh objects: {', '.join(rehearsed['checks'])}")
         for f in failures:
             print(f"FAILED  {f['generation']}: {f['error']}")
-        if not names:
-            print(f"no generations in {args.target}")
     return 1 if failures else 0
 
 
@@ -178,6 +217,8 @@ def _tree(node: Any, layouts: dict[str, dict[str, Any]]) -> Any:
                     for pair in node["$map"] if type(pair) is list and len(pair) == 2}
         if len(node) == 1 and type(node.get("$tuple")) is list:
             return [_tree(v, layouts) for v in node["$tuple"]]
+        if len(node) == 1 and type(node.get("$odict")) is dict:
+            return _tree(node["$odict"], layouts)
         return {k: _tree(v, layouts) for k, v in node.items()}
     return node
 
@@ -273,9 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for the kill schedule (default: random)")
     p.add_argument("--kills", type=int, default=6, help="how many SIGKILLs to deliver")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("discard", help="delete set-aside (rejected or abandoned) generations after review")
+    p.add_argument("directory")
+    p.add_argument("names", nargs="*", help="set-aside entries, as `trainstate ls` lists them")
+    p.add_argument("--all", action="store_true", help="every rejected and abandoned entry")
+    p.set_defaults(func=cmd_discard)
     cli_lifecycle.register(sub)
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(broken_pipe_status=0)
     return parser
 
 
@@ -283,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `trainstate inspect DIR | head`: the reader has what it wanted
+        _silence_stdout()
+        return args.broken_pipe_status
     except (TrainStateError, OSError, ValueError, KeyError) as exc:
         if isinstance(exc, KeyError) and exc.args:
             exc = ValueError(exc.args[0])  # KeyError's str() adds quotes
@@ -291,6 +341,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"trainstate {args.command}: {exc}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """After EPIPE, point stdout at /dev/null so the interpreter's final flush raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

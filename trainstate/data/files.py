@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from ..format.digest import digest_stream, new_hasher
+from ..errors import InvalidArgument
 
 
 def _files(paths: Iterable[str | os.PathLike]) -> list[tuple[str, Path]]:
     found: list[tuple[str, Path]] = []
     for root in paths:
         if os.fspath(root) in ("", b""):
-            raise ValueError("data_manifest: an empty path was given (an unset setting?); "
+            raise InvalidArgument("data_manifest: an empty path was given (an unset setting?); "
                              "pass '.' to fingerprint the current directory")
         root = Path(root)
         if root.is_file():
@@ -41,7 +42,7 @@ def _files(paths: Iterable[str | os.PathLike]) -> list[tuple[str, Path]]:
     names = [n for n, _ in found]
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"data_manifest: several paths give the same relative name {dupes[:5]}; "
+        raise InvalidArgument(f"data_manifest: several paths give the same relative name {dupes[:5]}; "
                          "pass one root directory, or call it once per root under separate contract fields")
     return sorted(found)
 
@@ -57,12 +58,12 @@ def data_manifest(paths: str | os.PathLike | Iterable[str | os.PathLike], *, mod
     of shards). Symbolic links to directories are not followed.
     """
     if mode not in ("full", "fast"):
-        raise ValueError(f"mode must be 'full' or 'fast', got {mode!r}")
+        raise InvalidArgument(f"mode must be 'full' or 'fast', got {mode!r}")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     paths = list(paths)
     if not paths:
-        raise ValueError("data_manifest: no paths given")
+        raise InvalidArgument("data_manifest: no paths given")
     entries: dict[str, str] = {}
     total = 0
     for name, path in _files(paths):

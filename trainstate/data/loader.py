@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import random
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..errors import ContinuationWarning, DataMismatch
+from ..errors import ContinuationWarning, DataMismatch, InvalidArgument, InvalidType, StaleIterator
 from .order import Plan, derive, ids_digest
 from .samplerng import SampleIndex
 
@@ -66,6 +69,29 @@ def _global_rng_marks() -> tuple:
 def _same_marks(a: tuple, b: tuple) -> bool:
     return (a[0] == b[0] and a[1][1:] == b[1][1:] and np.array_equal(a[1][0], b[1][0])
             and torch.equal(a[2], b[2]))
+
+
+class _EndWithParent:
+    """A ``worker_init_fn`` that also ends the worker soon after its parent dies (then calls the user's).
+
+    torch's workers notice a dead parent only every few seconds, and later
+    under load; a worker that outlives a SIGKILLed trainer holds the
+    dataset's files and memory, and races the restarted run. A daemon thread
+    polls the parent id and exits the worker once it is reparented.
+    """
+
+    def __init__(self, user_init: Callable[[int], None] | None):
+        self.user_init, self.parent = user_init, os.getpid()
+
+    def __call__(self, worker_id: int) -> None:
+        threading.Thread(target=self._watch, name="trainstate-parent-watch", daemon=True).start()
+        if self.user_init is not None:
+            self.user_init(worker_id)
+
+    def _watch(self) -> None:
+        while os.getppid() == self.parent:
+            time.sleep(0.2)
+        os._exit(1)
 
 
 class _WatchGlobalDraws(Dataset):
@@ -150,22 +176,22 @@ class ResumableLoader:
                  on_mismatch: str = "error", **loader_kwargs: Any):
         for key, why in _FORBIDDEN.items():
             if key in loader_kwargs:
-                raise TypeError(f"ResumableLoader does not take {key}=: {why or 'pass it as a keyword of its own'}")
+                raise InvalidType(f"ResumableLoader does not take {key}=: {why or 'pass it as a keyword of its own'}")
         if loader_kwargs.get("in_order") is False:
-            raise ValueError("in_order=False hands out batches in completion order, so the position counted at "
+            raise InvalidArgument("in_order=False hands out batches in completion order, so the position counted at "
                              "consumption would not say which samples were used; leave in_order at True")
         if on_mismatch not in ("error", "warn"):
-            raise ValueError(f"on_mismatch must be 'error' or 'warn', got {on_mismatch!r}")
+            raise InvalidArgument(f"on_mismatch must be 'error' or 'warn', got {on_mismatch!r}")
         try:
             length = len(dataset)
         except TypeError:
-            raise TypeError(f"the dataset ({type(dataset).__qualname__}) has no __len__; ResumableLoader needs a "
+            raise InvalidType(f"the dataset ({type(dataset).__qualname__}) has no __len__; ResumableLoader needs a "
                             "map-style dataset (for an IterableDataset, keep the position in the dataset itself)"
                             ) from None
         rank, world_size = _distributed_default(rank, world_size)
         self.plan = Plan(length, batch_size, seed, bool(shuffle), bool(drop_last), rank, world_size, uneven)
         if self.plan.batches_per_epoch() == 0:
-            raise ValueError(f"an epoch of {length} samples over {world_size} rank(s) gives no batch of "
+            raise InvalidArgument(f"an epoch of {length} samples over {world_size} rank(s) gives no batch of "
                              f"{batch_size} (drop_last={drop_last}); use a smaller batch_size")
         self.count_tokens = count_tokens
         self.on_mismatch = on_mismatch
@@ -189,6 +215,7 @@ class ResumableLoader:
             ctx = multiprocessing.get_context(context) if isinstance(context, (str, type(None))) else context
             self._flag = ctx.RawValue("b", 0)
             dataset = _WatchGlobalDraws(dataset, self._flag)
+            loader_kwargs["worker_init_fn"] = _EndWithParent(loader_kwargs.get("worker_init_fn"))
         self.dataset = dataset
         self.loader = DataLoader(dataset, batch_sampler=self._sampler, **loader_kwargs)
 
@@ -218,14 +245,14 @@ class ResumableLoader:
             # Checked before taking a batch: with persistent workers every iter() of the DataLoader returns the
             # same underlying iterator, so a stale one would take the live one's next batch.
             if self._active is not token:
-                raise RuntimeError("this ResumableLoader iterator is stale: the loader was iterated again or "
+                raise StaleIterator("this ResumableLoader iterator is stale: the loader was iterated again or "
                                    "restored since it started; take batches from the newest iterator only")
             try:
                 batch = next(it)
             except StopIteration:
                 break
             if self.epoch != epoch or self.cursor >= len(batches):
-                raise RuntimeError("the DataLoader yielded more batches than the epoch plan holds")
+                raise DataMismatch("the DataLoader yielded more batches than the epoch plan holds")
             ids = batches[self.cursor]
             if self._expected is not None:
                 self._check_expected(epoch, self.cursor, ids)
@@ -239,7 +266,7 @@ class ResumableLoader:
             self._note_global_draws()
             yield batch
         if self._active is token and self.epoch == epoch:
-            raise RuntimeError(f"the DataLoader stopped after batch {self.cursor} of {len(batches)} in epoch {epoch}")
+            raise DataMismatch(f"the DataLoader stopped after batch {self.cursor} of {len(batches)} in epoch {epoch}")
 
     def replay(self, epoch: int = 0) -> Iterator[Any]:
         """Iterate all of ``epoch`` without moving the position: for a fixed validation pass.

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..errors import InvalidArgument
+
 ORDER_ALGORITHM = "splitmix64-sort-v1"
 
 
@@ -72,16 +74,16 @@ class Plan:
     def __post_init__(self) -> None:
         for name in ("dataset_len", "seed", "rank"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {getattr(self, name)!r}")
+                raise InvalidArgument(f"{name} must be a non-negative int, got {getattr(self, name)!r}")
         for name in ("batch_size", "world_size"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+                raise InvalidArgument(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+            raise InvalidArgument(f"rank {self.rank} is not below world_size {self.world_size}")
         if self.uneven not in ("pad", "drop"):
-            raise ValueError(f"uneven must be 'pad' or 'drop', got {self.uneven!r}")
+            raise InvalidArgument(f"uneven must be 'pad' or 'drop', got {self.uneven!r}")
         if self.seed >= 1 << 64:
-            raise ValueError("seed must fit in 64 bits")
+            raise InvalidArgument("seed must fit in 64 bits")
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .order import derive
+from ..errors import InvalidArgument, InvalidType
 
 
 class SampleIndex(int):
@@ -53,13 +54,13 @@ def sample_seed(index: int, *, epoch: int | None = None, seed: int | None = None
     """The 63-bit seed for ``(seed, epoch, index)``, and an optional stream label."""
     if epoch is None or seed is None:
         if not isinstance(index, SampleIndex):
-            raise TypeError(
+            raise InvalidType(
                 f"index {index!r} is a plain int: pass epoch= and seed=, or read the dataset through "
                 "ts.ResumableLoader, which hands __getitem__ a SampleIndex that carries both")
         epoch = index.epoch if epoch is None else epoch
         seed = index.seed if seed is None else seed
     if min(int(index), epoch, seed) < 0:
-        raise ValueError(f"index, epoch and seed must be non-negative, got {int(index)}, {epoch}, {seed}")
+        raise InvalidArgument(f"index, epoch and seed must be non-negative, got {int(index)}, {epoch}, {seed}")
     return derive("sample", seed, epoch, int(index), stream) >> 1
 
 
@@ -79,4 +80,4 @@ def sample_generator(index: int, *, epoch: int | None = None, seed: int | None =
         return np.random.Generator(np.random.PCG64(value))
     if kind == "python":
         return random.Random(value)
-    raise ValueError(f"kind must be 'torch', 'numpy' or 'python', got {kind!r}")
+    raise InvalidArgument(f"kind must be 'torch', 'numpy' or 'python', got {kind!r}")

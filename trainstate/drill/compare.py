@@ -177,7 +177,7 @@ def compare_values(a: Any, b: Any, path: str, out: list[str], counts: list[int])
         elif not torch.equal(_bits(ta), _bits(tb)):
             differ = (_bits(ta) != _bits(tb)).reshape(ta.numel(), -1).any(dim=1).sum().item()
             out.append(f"{path}: {differ} of {ta.numel()} elements differ")
-    elif type(a) is dict:
+    elif isinstance(a, dict):  # a module's state is an OrderedDict
         if list(a) != list(b):
             out.append(f"{path}: keys {list(a)!r:.200} vs {list(b)!r:.200}")
         for key in a.keys() & b.keys():

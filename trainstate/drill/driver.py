@@ -352,10 +352,21 @@ def expected_restore(store: LocalStore) -> str | None:
     return _pointer_name(store) or (full[0] if full else None)
 
 
-def _describe_start(start: Start) -> str:
-    restored = start.restored or ("nothing (fresh start)" if start.index == 1 else "nothing")
-    if start.killed_after_s is None:
-        return f"  start {start.index}: restored {restored}, ran to the end (exit {start.exit_code})"
-    return (f"  start {start.index}: restored {restored}, SIGKILL {start.killed_after_s:.3f} s after go "
-            f"[{start.plan.mode}] {start.landed}")
+_AIMED = {"save": "aimed inside a save", "time": "at a random moment of training", "restore": "aimed at its restore"}
 
+
+def _describe_start(start: Start) -> str:
+    """One line a newcomer can read: where this process resumed from, and how it ended."""
+    if start.restored:
+        began = f"resumed from {start.restored}"
+    elif start.index == 1:
+        began = "started fresh (nothing saved yet)"
+    elif start.killed_after_s is not None and start.landed == "during start-up or restore":
+        began = "was still starting up or restoring"
+    else:
+        began = "found nothing to resume and started fresh"
+    if start.killed_after_s is None:
+        return f"  start {start.index}: {began}; ran to the end (exit {start.exit_code})"
+    aimed = _AIMED.get(start.plan.mode, start.plan.mode) if start.plan else "at random"
+    return (f"  start {start.index}: {began}; killed with SIGKILL {start.killed_after_s:.3f} s after it was let go "
+            f"({aimed}), which landed {start.landed}")

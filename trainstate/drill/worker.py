@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 from ..state import snapshot
-from ..errors import TrainStateError
+from ..errors import InvalidArgument, TrainStateError
 from ..asyncsave import SaveHandle
 from ..data.loader import ResumableLoader
 from ..storage.local import LocalStore, PosixOps
@@ -88,13 +88,13 @@ class DrillConfig:
     def __post_init__(self) -> None:
         for name in ("total", "every", "width", "batch"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise ValueError(f"DrillConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+                raise InvalidArgument(f"DrillConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.loader_workers is not None and (type(self.loader_workers) is not int or self.loader_workers < 0):
-            raise ValueError(f"DrillConfig.loader_workers must be None or an int >= 0, got {self.loader_workers!r}")
+            raise InvalidArgument(f"DrillConfig.loader_workers must be None or an int >= 0, got {self.loader_workers!r}")
         if type(self.async_save) is not bool:
-            raise ValueError(f"DrillConfig.async_save must be a bool, got {self.async_save!r}")
+            raise InvalidArgument(f"DrillConfig.async_save must be a bool, got {self.async_save!r}")
         if type(self.slow_fsync_ms) is not int or self.slow_fsync_ms < 0:
-            raise ValueError(f"DrillConfig.slow_fsync_ms must be an int >= 0, got {self.slow_fsync_ms!r}")
+            raise InvalidArgument(f"DrillConfig.slow_fsync_ms must be an int >= 0, got {self.slow_fsync_ms!r}")
 
     def argv(self) -> list[str]:
         loader = [] if self.loader_workers is None else ["--loader-workers", str(self.loader_workers)]

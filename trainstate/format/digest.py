@@ -12,6 +12,8 @@ from typing import BinaryIO, Protocol
 
 import blake3
 
+from ..errors import InvalidArgument
+
 
 class Hasher(Protocol):
     def update(self, data: bytes | memoryview, /) -> object: ...
@@ -34,7 +36,7 @@ def new_hasher(algorithm: str) -> Hasher:
     try:
         return _ALGORITHMS[algorithm]()
     except KeyError:
-        raise ValueError(f"unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}") from None
+        raise InvalidArgument(f"unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}") from None
 
 
 def digest_bytes(algorithm: str, data: bytes) -> str:

@@ -7,6 +7,12 @@ generation and carries the manifest's own digest and size, so a reader can
 check the chain pointer -> manifest -> files before trusting any byte.
 Parsing is strict: unknown versions, missing or mistyped fields are a
 :class:`CorruptGeneration`, never a guess.
+
+Format versions: 2 added the ``$odict`` tag and encodes ``facts`` with the
+codec (format 1 kept them as plain JSON). Writers write ``FORMAT_VERSION``;
+readers accept every version in ``READABLE_VERSIONS``, so a run directory may
+hold generations of both, while a reader that predates a version refuses it
+rather than misreading ``{"$odict": ...}`` as a dict.
 """
 
 from __future__ import annotations
@@ -17,15 +23,18 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from .digest import ALGORITHMS, digest_bytes
-from ..errors import CorruptGeneration
+from ..errors import CorruptGeneration, InvalidArgument
 from .signing import SigningKey
+from .strictjson import loads
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 STATE = "state.json"
 POINTER = "latest"
 WEIGHTS_POINTER = "latest-weights"
 PINS = "pins"
+RUN = "run-identity"  # the run directory's identity, bound into every manifest
 MAX_JSON_BYTES = 64 << 20
 KINDS = ("full", "weights")
 
@@ -37,7 +46,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 def generation_name(next_update: int, kind: str = "full") -> str:
     if not 0 <= next_update < 10**12:
-        raise ValueError(f"next_update must be in [0, 10**12), got {next_update}")
+        raise InvalidArgument(f"next_update must be in [0, 10**12), got {next_update}")
     return f"gen-{next_update:012d}" + ("-weights" if kind == "weights" else "")
 
 
@@ -78,11 +87,12 @@ class Manifest:
     metrics: dict = field(default_factory=dict)  # save(metrics=...): finite floats by name; omitted when empty
     retention: dict = field(default_factory=dict)  # the policy in force when saved (read by `trainstate prune`)
     lineage: list = field(default_factory=list)  # timelines: [[id, last update inherited or None], ...]
+    run: str = ""  # the identity of the run directory it was published into (see RUN); "" before format 2
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
         data["files"] = [asdict(f) for f in self.files]
-        for optional in ("data", "metrics", "retention", "lineage"):
+        for optional in ("data", "metrics", "retention", "lineage", "run"):
             if not data[optional]:
                 del data[optional]
         data["self_digest"] = _self_digest(data, self.digest_algorithm)
@@ -126,12 +136,10 @@ def _self_digest(data: dict, algorithm: str) -> str:
 
 
 def load_json(data: bytes, where: str) -> dict:
+    """A metadata file (state.json, a manifest, a pointer, pins): strict, bounded JSON holding an object."""
     if len(data) > MAX_JSON_BYTES:
         raise CorruptGeneration(where, f"{len(data)} bytes exceeds the {MAX_JSON_BYTES}-byte limit for metadata")
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptGeneration(where, f"not valid UTF-8 JSON ({exc.__class__.__name__})") from None
+    value = loads(data, where)
     if type(value) is not dict:
         raise CorruptGeneration(where, "expected a JSON object")
     return value
@@ -152,13 +160,18 @@ def _check(where: str, data: dict, spec: dict[str, type | tuple], optional: dict
             raise CorruptGeneration(where, f"field {key!r} has the wrong type")
 
 
+def check_version(where: str, version: object) -> None:
+    """``version`` is one this reader understands (an int in ``READABLE_VERSIONS``)."""
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise CorruptGeneration(
+            where, f"format_version {version!r:.20} is not one of {READABLE_VERSIONS}; it was written by "
+            "another trainstate version")
+
+
 def _check_common(where: str, data: dict, fmt: str) -> None:
     if data.get("format") != fmt:
         raise CorruptGeneration(where, f"not a {fmt} file")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise CorruptGeneration(
-            where, f"format_version {data.get('format_version')!r:.20} is not {FORMAT_VERSION}; "
-            "it was written by another trainstate version")
+    check_version(where, data.get("format_version"))
     if data.get("digest_algorithm") not in ALGORITHMS:
         raise CorruptGeneration(where, f"unknown digest algorithm {data.get('digest_algorithm')!r:.40}")
     if data.get("kind") not in KINDS:
@@ -174,8 +187,10 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         "format": str, "format_version": int, "generation": str, "kind": str, "next_update": int,
         "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
         "versions": dict, "parent": (str, type(None)), "self_digest": str,
-    }, {"signature": str, "data": dict, "metrics": dict, "retention": dict, "lineage": list})
+    }, {"signature": str, "data": dict, "metrics": dict, "retention": dict, "lineage": list, "run": str})
     _check_common(where, raw, "trainstate")
+    if "run" in raw and not _HEX_RE.fullmatch(raw["run"]):
+        raise CorruptGeneration(where, "malformed run identity")
     _check_data(where, raw.get("data", {}))
     for name, value in raw.get("metrics", {}).items():
         if not _NAME_RE.fullmatch(name) or type(value) is not float or not math.isfinite(value):
@@ -267,10 +282,32 @@ def parse_pointer(data: bytes, where: str, key: SigningKey | None = None) -> Poi
     return Pointer(**raw)
 
 
+def run_to_bytes(run: str, key: SigningKey | None = None) -> bytes:
+    """The run directory's identity record (signed with ``key``)."""
+    data = {"format": "trainstate-run", "format_version": FORMAT_VERSION, "run": run}
+    if key is not None:
+        data["signature"] = key.sign(data)
+    return json.dumps(data, sort_keys=True).encode() + b"\n"
+
+
+def parse_run(data: bytes, where: str, key: SigningKey | None = None) -> str:
+    """The run identity a run directory's record names; with ``key``, also require a valid signature."""
+    raw = load_json(data, where)
+    _check(where, raw, {"format": str, "format_version": int, "run": str}, {"signature": str})
+    if raw["format"] != "trainstate-run":
+        raise CorruptGeneration(where, "not a trainstate-run file")
+    check_version(where, raw["format_version"])
+    if key is not None:
+        key.check(raw, raw.get("signature"), where)
+    if not _HEX_RE.fullmatch(raw["run"]):
+        raise CorruptGeneration(where, "malformed run identity")
+    return raw["run"]
+
+
 def check_name(kind: str, name: object) -> str:
     """A pin or metric name: 1-64 of letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit."""
     if type(name) is not str or not _NAME_RE.fullmatch(name):
-        raise ValueError(f"{kind} name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
+        raise InvalidArgument(f"{kind} name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
                          "starting with a letter or digit")
     return name
 
@@ -288,8 +325,9 @@ def parse_pins(data: bytes, where: str, key: SigningKey | None = None) -> dict[s
     _check(where, raw, {"format": str, "format_version": int, "pins": dict}, {"signature": str})
     if key is not None:
         key.check(raw, raw.get("signature"), where)
-    if raw["format"] != "trainstate-pins" or raw["format_version"] != FORMAT_VERSION:
-        raise CorruptGeneration(where, "not a trainstate pins file of this format version")
+    if raw["format"] != "trainstate-pins":
+        raise CorruptGeneration(where, "not a trainstate pins file")
+    check_version(where, raw["format_version"])
     for name, generation in raw["pins"].items():
         if not _NAME_RE.fullmatch(name) or type(generation) is not str or parse_generation_name(generation) is None:
             raise CorruptGeneration(where, f"invalid pin {name!r:.60}")

@@ -25,7 +25,8 @@ from typing import BinaryIO
 
 import torch
 
-from ..errors import CorruptGeneration
+from ..errors import CorruptGeneration, UnsupportedValue
+from .strictjson import container_limit, containers, loads
 
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 64  # torch's own limit; also bounds the cost of checking a hostile shape
@@ -88,8 +89,19 @@ class Layout:
         return self.data_start + (self.entries[-1].end if self.entries else 0)
 
 
+# Integer dtypes to view a tensor's elements as before copying a non-contiguous one: a same-size view keeps
+# every bit at any strides, and torch has no copy kernel for sub-byte, bits or some float8 dtypes.
+_CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
+    if not tensor.numel():  # no bytes; and an empty tensor's strides may be anything, which view() refuses
+        return torch.empty(0, dtype=torch.uint8)
+    # A conjugate or negative view's memory holds the values before the lazy conj/neg: store the values
+    # the tensor reads as (as a background save's copy_ does), not its memory.
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    carrier = _CARRIERS.get(tensor.element_size())
+    flat = (tensor.view(carrier) if carrier is not None else tensor).reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
@@ -117,6 +129,9 @@ def plan(tensors: dict[str, torch.Tensor]) -> Layout:
         metadata[_RAW_KEY] = json.dumps(raw, separators=(",", ":"))
     body = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
+    if len(body) > MAX_HEADER_BYTES or containers(body) > container_limit(len(body)):  # parse_header refuses it
+        raise UnsupportedValue("tensors", tensors, f"{len(tensors):,} tensors need a {len(body):,}-byte "
+                               f"safetensors header; a reader accepts {MAX_HEADER_BYTES:,} bytes at most.")
     header_bytes = struct.pack("<Q", len(body)) + body
     return Layout(header_bytes, tuple(entries), len(header_bytes))
 
@@ -144,11 +159,7 @@ def parse_header(stream: BinaryIO, file_size: int, where: str) -> Layout:
     (length,) = struct.unpack("<Q", _read_exact(stream, 8, where))
     if length > min(MAX_HEADER_BYTES, file_size - 8):
         raise CorruptGeneration(where, f"declared header length {length} exceeds the file ({file_size} bytes)")
-    raw_header = _read_exact(stream, length, where)
-    try:
-        header = json.loads(raw_header.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptGeneration(where, f"header is not valid JSON ({exc.__class__.__name__})") from None
+    header = loads(_read_exact(stream, length, where), f"{where} (header)")
     if type(header) is not dict:
         raise CorruptGeneration(where, "header is not a JSON object")
     raw = _raw_dtypes(header.pop("__metadata__", {}), where)
@@ -168,10 +179,7 @@ def _raw_dtypes(metadata: object, where: str) -> dict:
         raise CorruptGeneration(where, "__metadata__ must map strings to strings")
     if _RAW_KEY not in metadata:
         return {}
-    try:
-        raw = json.loads(metadata[_RAW_KEY])
-    except (ValueError, RecursionError):
-        raise CorruptGeneration(where, f"{_RAW_KEY} metadata is not JSON") from None
+    raw = loads(metadata[_RAW_KEY].encode("utf-8", "surrogatepass"), f"{where} ({_RAW_KEY} metadata)")
     if type(raw) is not dict:
         raise CorruptGeneration(where, f"{_RAW_KEY} metadata is not an object")
     return raw

@@ -16,12 +16,14 @@ import math
 import time
 from dataclasses import dataclass
 
+from ..errors import InvalidArgument
+
 
 def _check(save_cost: float, mtbf: float) -> None:
     if not (math.isfinite(save_cost) and save_cost > 0):
-        raise ValueError(f"save cost must be a positive number of seconds, got {save_cost!r}")
+        raise InvalidArgument(f"save cost must be a positive number of seconds, got {save_cost!r}")
     if not (math.isfinite(mtbf) and mtbf > 0):
-        raise ValueError(f"MTBF must be a positive number of seconds, got {mtbf!r}")
+        raise InvalidArgument(f"MTBF must be a positive number of seconds, got {mtbf!r}")
 
 
 def young_interval(save_cost: float, mtbf: float) -> float:
@@ -53,7 +55,7 @@ def expected_overhead(interval: float, save_cost: float, mtbf: float, restart: f
     """
     _check(save_cost, mtbf)
     if not (math.isfinite(interval) and interval > 0) or restart < 0:
-        raise ValueError("interval must be positive and restart non-negative")
+        raise InvalidArgument("interval must be positive and restart non-negative")
     segment = mtbf * math.exp(restart / mtbf) * math.expm1((interval + save_cost) / mtbf)
     return segment / interval - 1
 
@@ -84,7 +86,7 @@ class Advice:
 def advise(save_cost: float, mtbf: float, step_time: float, restart: float = 0.0) -> Advice:
     """Young's and Daly's intervals for a measured save cost and update time (all in seconds)."""
     if not (math.isfinite(step_time) and step_time > 0):
-        raise ValueError(f"step time must be a positive number of seconds, got {step_time!r}")
+        raise InvalidArgument(f"step time must be a positive number of seconds, got {step_time!r}")
     young, daly = young_interval(save_cost, mtbf), daly_interval(save_cost, mtbf)
     y_updates, d_updates = max(1, round(young / step_time)), max(1, round(daly / step_time))
     return Advice(save_cost, mtbf, step_time, young, daly, y_updates, d_updates,
@@ -111,12 +113,12 @@ class Cadence:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.mtbf_s) and self.mtbf_s > 0):
-            raise ValueError(f"mtbf_s must be positive, got {self.mtbf_s!r}")
+            raise InvalidArgument(f"mtbf_s must be positive, got {self.mtbf_s!r}")
         if self.model not in ("daly", "young"):
-            raise ValueError(f"model must be 'daly' or 'young', got {self.model!r}")
+            raise InvalidArgument(f"model must be 'daly' or 'young', got {self.model!r}")
         if self.first_after < 1 or self.min_updates < 1 or (self.max_updates is not None
                                                                and self.max_updates < self.min_updates):
-            raise ValueError("first_after and min_updates must be >= 1, and max_updates >= min_updates")
+            raise InvalidArgument("first_after and min_updates must be >= 1, and max_updates >= min_updates")
 
 
 class Clock:

@@ -8,11 +8,12 @@ marks, and only generations the library wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from collections.abc import Mapping
 
-from ..errors import CorruptGeneration
+from ..errors import CorruptGeneration, GenerationNotFound, InvalidArgument, PinNotFound
 from ..format.manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, parse_generation_name, parse_pins,
                        parse_pointer, pins_to_bytes)
 from .retention import Plan, Retention, best_generation, plan
@@ -21,6 +22,14 @@ from ..storage.base import Store
 from ..storage.verify import verify_generation
 
 log = logging.getLogger("trainstate")
+
+
+def policy_from_record(record: Mapping) -> Retention:
+    """A :class:`Retention` from the record a manifest keeps of it."""
+    fields = dict(record)
+    if fields.get("best") is not None:
+        fields["best"] = tuple(fields["best"])
+    return Retention(**fields)
 
 
 def new_timeline() -> str:
@@ -45,10 +54,10 @@ class Lifecycle:
         """Pin ``generation`` (which must exist and verify) under ``name``; replaces a pin of that name."""
         check_name("pin", name)
         if parse_generation_name(generation) is None:
-            raise ValueError(f"{generation!r} is not a generation name (gen-<12 digits>[-weights])")
+            raise InvalidArgument(f"{generation!r} is not a generation name (gen-<12 digits>[-weights])")
         with self.store.exclusive("pins"):
             if generation not in self.store.generations():
-                raise FileNotFoundError(f"no generation {generation} in {self.store.location}")
+                raise GenerationNotFound(f"no generation {generation} in {self.store.location}")
             verify_generation(self.store, generation, content=False, key=self.key)
             pins = self.pins()
             pins[name] = generation
@@ -60,7 +69,7 @@ class Lifecycle:
         with self.store.exclusive("pins"):
             pins = self.pins()
             if name not in pins:
-                raise KeyError(f"no pin named {name!r} in {self.store.location} (pins: {sorted(pins)})")
+                raise PinNotFound(f"no pin named {name!r} in {self.store.location} (pins: {sorted(pins)})")
             generation = pins.pop(name)
             self.store.write_pointer(PINS, pins_to_bytes(pins, self.key))
             return generation
@@ -82,6 +91,30 @@ class Lifecycle:
             if pointer.kind == kind:
                 out[kind] = pointer.generation
         return out
+
+    def newest_full(self) -> Manifest | None:
+        """The manifest of the generation a restore starts from, structurally verified (no tensor data read).
+
+        The one ``latest`` names when it verifies, else the newest full
+        generation that does: what restore would pick, short of re-hashing
+        every byte.
+        """
+        full = self.anchors().get("full")
+        names = ([full] if full else []) + [n for n in self.store.generations()
+                                            if parse_generation_name(n)[1] == "full" and n != full]
+        for name in names:
+            try:
+                return verify_generation(self.store, name, content=False, key=self.key).manifest
+            except CorruptGeneration:
+                continue
+        return None
+
+    def recorded_policy(self) -> tuple[Retention | None, str | None]:
+        """The retention policy the run recorded in its newest full generation, and that generation's name."""
+        manifest = self.newest_full()
+        if manifest is None or not manifest.retention:
+            return None, None if manifest is None else manifest.generation
+        return policy_from_record(manifest.retention), manifest.generation
 
     def manifests(self, names: list[str]) -> dict[str, Manifest]:
         """The manifest of every generation among ``names`` whose structure verifies (no tensor data read).
@@ -128,12 +161,30 @@ class Lifecycle:
         return out
 
     def plan(self, policy: Retention, anchors: Mapping[str, str | None] | None = None) -> Plan:
-        """The retention plan for the directory as it is now (no changes)."""
+        """The retention plan for the directory as it is now (no changes).
+
+        When ``policy`` differs from the one the run recorded, the plan's
+        ``note`` says so and names what the recorded policy would keep that
+        this one prunes.
+        """
         names = self.store.generations()
         anchors = dict(self.anchors() if anchors is None else anchors)
         manifests = self.manifests(names)
-        return plan(names, policy=policy, newest=anchors, lineage=self.lineage(anchors.get("full"), manifests),
-                    pins=self.pins(), best=self._best(policy, manifests))
+        lineage = self.lineage(anchors.get("full"), manifests)
+        pins = self.pins()
+        decided = plan(names, policy=policy, newest=anchors, lineage=lineage, pins=pins,
+                       best=self._best(policy, manifests))
+        full = anchors.get("full")
+        record = manifests[full].retention if full in manifests else None
+        recorded = policy_from_record(record) if record else None
+        if recorded is None or recorded == policy:
+            return decided
+        under_recorded = plan(names, policy=recorded, newest=anchors, lineage=lineage, pins=pins,
+                              best=self._best(recorded, manifests))
+        lost = sorted(set(decided.prune) - set(under_recorded.prune))
+        note = (f"the policy in force ({policy}) differs from the one {full} recorded ({recorded})"
+                + (f"; it prunes {', '.join(lost)}, which the recorded policy keeps" if lost else ""))
+        return dataclasses.replace(decided, note=note)
 
     def best(self, policy: Retention) -> str | None:
         """The generation with the best value of the policy's metric, among those whose structure verifies."""
@@ -149,6 +200,8 @@ class Lifecycle:
         with self.store.exclusive("pins"):
             decided = self.plan(policy, anchors)
             if not dry_run:
+                if decided.note:
+                    log.warning("%s: %s", self.store.location, decided.note)
                 for decision in decided.decisions:
                     if decision.left_for_a_human:
                         log.warning("kept %s: %s", decision.generation, "; ".join(decision.reasons))

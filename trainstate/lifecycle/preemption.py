@@ -30,6 +30,8 @@ import time
 from types import FrameType
 from typing import Any
 
+from ..errors import InvalidArgument
+
 log = logging.getLogger("trainstate")
 
 EXIT_PREEMPTED = 75
@@ -47,7 +49,7 @@ class PreemptionHandler:
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1), grace_s: float | None = None):
         if grace_s is not None and not grace_s > 0:
-            raise ValueError(f"grace_s must be positive or None, got {grace_s!r}")
+            raise InvalidArgument(f"grace_s must be positive or None, got {grace_s!r}")
         self.signals = tuple(signals)
         self.grace_s = grace_s
         self.received: int | None = None

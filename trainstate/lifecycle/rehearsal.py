@@ -20,7 +20,7 @@ from typing import Any
 from ..state import contract as contract_mod
 from ..state import rng as rng_mod
 from ..state import snapshot
-from ..errors import DataMismatch, WeightsOnlyGeneration
+from ..errors import DataMismatch, InvalidArgument, InvalidType, WeightsOnlyGeneration
 from ..format.manifest import Manifest
 from ..format.signing import SigningKey
 from ..state.train_state import TrainState
@@ -43,19 +43,19 @@ def load_factory(spec: str) -> Factory:
     """``"package.module:function"`` -> the function (the working directory is importable)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"factory {spec!r} must look like 'module:function'")
+        raise InvalidArgument(f"factory {spec!r} must look like 'module:function'")
     added = "" not in sys.path
     if added:
         sys.path.insert(0, "")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load factory {spec!r}: {exc}") from exc
+        raise InvalidArgument(f"cannot load factory {spec!r}: {exc}") from exc
     finally:
         if added and "" in sys.path:
             sys.path.remove("")
     if not callable(factory):
-        raise ValueError(f"factory {spec!r} is not callable")
+        raise InvalidArgument(f"factory {spec!r} is not callable")
     return factory
 
 
@@ -64,7 +64,9 @@ def rehearse(store: Store, generation: str, factory: Factory, *, key: SigningKey
     """Restore ``generation`` into ``factory()``'s fresh objects; raise what a restart would hit.
 
     Checks, in order: every byte against its digest; the experiment contract;
-    component names and types, module keys, shapes and dtypes; optimizer
+    component names and kinds (the identity rule of
+    :func:`~trainstate.state.snapshot.check_components`: a class moved out of
+    the training script still restores), module keys, shapes and dtypes; optimizer
     pairing (group sizes and each parameter's state shapes); the RNG record
     (sources, kinds, CUDA device count); then loads every component (the
     scheduler's and scaler's own schema checks run here) and compares each
@@ -78,7 +80,7 @@ def rehearse(store: Store, generation: str, factory: Factory, *, key: SigningKey
     try:
         fresh = factory()
         if not isinstance(fresh, TrainState):
-            raise TypeError(f"the rehearsal factory returned a {type(fresh).__qualname__}, not a TrainState")
+            raise InvalidType(f"the rehearsal factory returned a {type(fresh).__qualname__}, not a TrainState")
         return _rehearse(verified.manifest, payload, fresh, allow_changes)
     finally:
         rng_mod.apply_validated(saved_globals, {}, restore_cuda=True)

@@ -23,6 +23,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from ..format.manifest import parse_generation_name
+from ..errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,13 @@ class Retention:
         for name in ("keep_last", "keep_last_weights", "milestone_every"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
         if self.keep_last is None:
-            raise ValueError("keep_last must be a positive int")
+            raise InvalidArgument("keep_last must be a positive int")
         if self.best is not None:
             if (not isinstance(self.best, tuple) or len(self.best) != 2 or type(self.best[0]) is not str
                     or self.best[1] not in ("min", "max")):
-                raise ValueError(f"best must be (metric_name, 'min' | 'max'), got {self.best!r}")
+                raise InvalidArgument(f"best must be (metric_name, 'min' | 'max'), got {self.best!r}")
 
     def keep_for(self, kind: str) -> int:
         return self.keep_last if kind == "full" or self.keep_last_weights is None else self.keep_last_weights
@@ -69,6 +70,7 @@ class Decision:
 @dataclass(frozen=True)
 class Plan:
     decisions: tuple[Decision, ...]  # newest first
+    note: str = ""  # e.g. that the policy in force differs from the one the run recorded
 
     @property
     def keep(self) -> tuple[str, ...]:
@@ -82,8 +84,9 @@ class Plan:
         return next(d.reasons for d in self.decisions if d.generation == generation)
 
     def describe(self) -> str:
-        return "\n".join(f"{'keep ' if d.keep else 'prune'}  {d.generation}  {'; '.join(d.reasons)}"
-                         for d in self.decisions)
+        lines = [f"note: {self.note}"] if self.note else []
+        return "\n".join(lines + [f"{'keep ' if d.keep else 'prune'}  {d.generation}  {'; '.join(d.reasons)}"
+                                  for d in self.decisions])
 
 
 def best_generation(metrics: Mapping[str, Mapping[str, float]], best: tuple[str, str] | None) -> str | None:

@@ -3,9 +3,18 @@
 Pure logic. A contract is a flat mapping of field names to canonical JSON
 values: the user's fields (``config``, ``class_names``, ``data_manifest``,
 ``tokenizer``, anything else) plus ``architecture.<component>`` for each
-``nn.Module`` (parameter and buffer names, shapes, dtypes). On restore the
-saved and live contracts are compared field by field, descending into
+``nn.Module`` (parameter and buffer names, shapes, dtypes, ties). On restore
+the saved and live contracts are compared field by field, descending into
 nested config dicts so a change is named precisely (``config.optim.lr``).
+
+An architecture entry is ``[name, shape, dtype, tied_to]``: ``tied_to`` names
+the first entry of the module whose tensor it is (tied weights: one tensor
+under two names), or is None. Generations written before ties were recorded
+have three-element entries; against those, ties are not compared here (the
+record cannot say whether they were tied) and the restore checks the
+checkpoint's tensors instead (:func:`tie_groups`, ``snapshot``). A lazy
+module's uninitialized parameter has shape None: whatever the checkpoint
+holds materializes it, as ``load_state_dict`` does.
 """
 
 from __future__ import annotations
@@ -55,10 +64,42 @@ def fingerprint(value: Any) -> str:
     return hashlib.sha256(data.encode()).hexdigest()
 
 
+def is_uninitialized(tensor: torch.Tensor) -> bool:
+    """A lazy module's parameter or buffer before its first forward (or ``load_state_dict``) gives it a shape."""
+    return isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)
+
+
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """Two tensors with equal keys are one tensor under two names (the codec stores such a tensor once)."""
+    where: object = id(tensor)  # empty and meta tensors have no memory to share: only the same object is tied
+    if tensor.numel() and tensor.device.type != "meta":
+        try:
+            where = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # a tensor type without plain storage (a wrapper subclass): identity alone
+    return tensor.device, where, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
+def tie_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Names that hold one tensor, in order, for every tensor held under more than one name."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and not is_uninitialized(tensor):
+            groups.setdefault(storage_key(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def architecture(module: torch.nn.Module) -> list[list]:
-    """``[name, shape, dtype]`` for every parameter and buffer in the module's state dict."""
-    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
-            for name, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
+    """``[name, shape, dtype, tied_to]`` for every parameter and buffer in the module's state dict."""
+    tensors = {n: t for n, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    tied_to = {name: names[0] for names in tie_groups(tensors) for name in names[1:]}
+    return [[name, None if is_uninitialized(t) else list(t.shape), str(t.dtype).removeprefix("torch."),
+             tied_to.get(name)] for name, t in tensors.items()]
+
+
+def has_tie_record(entries: object) -> bool:
+    """Whether an architecture field records ties (every generation since they were recorded does)."""
+    return type(entries) is list and all(type(e) is list and len(e) == 4 for e in entries)
 
 
 def build(user_fields: Mapping[str, Any], modules: Mapping[str, torch.nn.Module]) -> dict[str, Any]:
@@ -93,14 +134,23 @@ def _diff(path: str, old: Any, new: Any, out: list[FieldChange]) -> None:
 
 
 def _diff_architecture(path: str, old: list, new: list, out: list[FieldChange]) -> None:
-    old_map = {e[0]: e[1:] for e in old if type(e) is list and e and type(e[0]) is str}
-    new_map = {e[0]: e[1:] for e in new if type(e) is list and e and type(e[0]) is str}
+    width = None if has_tie_record(old) and has_tie_record(new) else 3  # older record: no ties to compare
+    old_map = {e[0]: e[1:width] for e in old if type(e) is list and e and type(e[0]) is str}
+    new_map = {e[0]: e[1:width] for e in new if type(e) is list and e and type(e[0]) is str}
     before = len(out)
     for key in list(old_map) + [k for k in new_map if k not in old_map]:
-        if old_map.get(key) != new_map.get(key):
-            out.append(FieldChange(f"{path}.{key}", old_map.get(key, _ABSENT), new_map.get(key, _ABSENT)))
-    if len(out) == before and old != new:
+        saved, live = old_map.get(key, _ABSENT), new_map.get(key, _ABSENT)
+        if not _same_entry(saved, live):
+            out.append(FieldChange(f"{path}.{key}", saved, live))
+    if len(out) == before and (list(old_map) != list(new_map) or len(old_map) != len(old) or len(new_map) != len(new)):
         out.append(FieldChange(path, "parameter order differs", "parameter order differs"))
+
+
+def _same_entry(saved: object, live: object) -> bool:
+    """Equal entries; a live shape of None (an uninitialized lazy parameter) takes the saved shape."""
+    if type(saved) is list and type(live) is list and len(saved) == len(live) and live and live[0] is None:
+        return saved[1:] == live[1:]
+    return saved == live and type(saved) is type(live)
 
 
 def allowed(change: FieldChange, allow: Iterable[str]) -> bool:
@@ -115,8 +165,13 @@ def check(saved: Mapping[str, Any], live: Mapping[str, Any], generation: str,
     changes = compare(saved, live)
     refused = [c for c in changes if not allowed(c, allow)]
     if refused:
-        raise ContractMismatch(generation, refused)
+        raise ContractMismatch(generation, refused, fixed=[c.field for c in refused if c.field.startswith(FIXED)])
     return changes
+
+
+# A loader's plan gives its saved position a meaning: allowing a change to it only moves the refusal to the
+# loader (DataMismatch), so the mismatch message never suggests it.
+FIXED = ("loader.",)
 
 
 def digest(fields: Mapping[str, Any]) -> str:

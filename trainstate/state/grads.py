@@ -1,67 +1,125 @@
 """Detect gradients that a backward pass accumulated but no optimizer step consumed.
 
-The state is tracked with hooks, not by reading ``.grad``: after the usual
-``zero_grad(); backward(); step()`` the ``.grad`` tensors still hold the
-consumed gradients, and saving there is correct. A parameter's
-post-accumulate-grad hook marks the state pending; an optimizer step hook
-clears it. ``zero_grad(set_to_none=True)`` discards gradients, so pending
-gradients that are all ``None`` again count as discarded.
+Tracked against what the optimizers hold *now*, not what they held when the
+TrainState was built: parameter groups added later (``add_param_group``) and
+parameters unfrozen later count like the rest. Every optimizer step records,
+for each parameter in its optimizers' current param groups, which ``.grad``
+tensor it consumed and that tensor's version counter. A gradient is pending
+when its ``.grad`` is another tensor than the one recorded (backward created
+it) or the same tensor at a newer version (backward accumulated into it).
+
+So the usual ``zero_grad(); backward(); step()`` loop saves fine: the
+``.grad`` tensors still hold the consumed gradients, unchanged since the
+step. ``zero_grad(set_to_none=True)`` discards gradients (``None`` is never
+pending); ``zero_grad(set_to_none=False)`` zeroes them in place, and an
+all-zero gradient is not pending either (nothing is lost by not saving it).
+What ``.grad`` holds when the tracker is built was produced before the
+TrainState existed, and counts as consumed.
+
+Any step consumes the gradients of every tracked parameter, as a single
+flag did before: a GAN's generator step leaves the discriminator gradients
+its backward produced behind, and its next ``zero_grad`` discards them.
 
 A ``GradScaler`` that finds inf/NaN skips ``optimizer.step()``; the step's
 gradients are then spent all the same (the loop zeroes them next). So a
-scaler registered in the same TrainState clears the flag too: its ``step``
+scaler registered in the same TrainState records them too: its ``step``
 method is wrapped on that instance only, and state dicts are unaffected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
 
 import torch
 
+# per parameter: (the parameter, the .grad tensor consumed or None, its version)
+_Consumed = tuple[weakref.ref, "weakref.ref | None", int]
+
+
+def _consumed(param: torch.Tensor) -> _Consumed:
+    grad = param.grad
+    if grad is None:
+        return weakref.ref(param), None, 0
+    return weakref.ref(param), weakref.ref(grad), grad._version
+
+
+def _nonzero(grad: torch.Tensor) -> bool:
+    try:
+        values = grad.coalesce().values() if grad.is_sparse else grad
+        return bool(values.any())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return True  # cannot tell (an exotic tensor type): count it as pending, the safe side
+
 
 class GradientTracker:
+    """Whether ``.grad`` holds gradients no step of ``optimizers`` has consumed.
+
+    Call order: built by :class:`TrainState`; every ``optimizer.step()`` (a
+    post-step hook) and every ``scaler.step()`` records; :attr:`pending` is
+    read before a save; :meth:`mark_pending` after gradients were restored.
+    """
+
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer], scalers: Iterable[torch.amp.GradScaler] = ()):
-        self._pending = False
-        self._handles = []
+        self._optimizers = list(optimizers)
+        self._restored = False
+        self._steps = 0
+        self._handles = [optimizer.register_step_post_hook(self._on_step) for optimizer in self._optimizers]
         for scaler in scalers:
             self._wrap_scaler(scaler)
-        self._params: list[torch.Tensor] = []
+        self._record: dict[int, _Consumed] = {}
+        self._consume()
+
+    def _params(self) -> Iterator[torch.Tensor]:
         seen: set[int] = set()
-        for optimizer in optimizers:
-            self._handles.append(optimizer.register_step_post_hook(self._on_step))
+        for optimizer in self._optimizers:
             for group in optimizer.param_groups:
                 for param in group["params"]:
-                    if id(param) not in seen and param.requires_grad:
+                    if id(param) not in seen:
                         seen.add(id(param))
-                        self._params.append(param)
-                        self._handles.append(param.register_post_accumulate_grad_hook(self._on_accumulate))
+                        yield param
+
+    def _consume(self) -> None:
+        self._record = {id(p): _consumed(p) for p in self._params()}
+        self._restored = False
 
     def _wrap_scaler(self, scaler: torch.amp.GradScaler) -> None:
         original = scaler.step
 
         def step(optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> object:
+            before = self._steps
             result = original(optimizer, *args, **kwargs)
-            self._pending = False  # stepped, or skipped on inf/NaN: either way these gradients are spent
+            if self._steps == before:  # skipped on inf/NaN: these gradients are spent all the same
+                self._consume()
             return result
 
         scaler.step = step
 
     def _on_step(self, *_: object) -> None:
-        self._pending = False
+        self._steps += 1
+        self._consume()
 
-    def _on_accumulate(self, _: torch.Tensor) -> None:
-        self._pending = True
+    def _unconsumed(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        record = self._record.get(id(param))
+        return not (record is not None and record[0]() is param and record[1] is not None
+                    and record[1]() is grad and record[2] == grad._version)
 
     @property
     def pending(self) -> bool:
-        if self._pending and all(p.grad is None for p in self._params):
-            self._pending = False  # zero_grad(set_to_none=True) discarded them
-        return self._pending
+        grads = [(p, p.grad) for p in self._params() if p.grad is not None]
+        if self._restored:
+            self._restored = bool(grads)  # zero_grad(set_to_none=True) discarded the restored gradients
+            return self._restored
+        for param, grad in grads:
+            if self._unconsumed(param, grad):
+                if _nonzero(grad):
+                    return True
+                self._record[id(param)] = _consumed(param)  # zeroed in place: nothing to lose, no rescan
+        return False
 
     def mark_pending(self) -> None:
         """Called after restoring saved gradients: they still await a step."""
-        self._pending = True
+        self._restored = True
 
     def close(self) -> None:
         for handle in self._handles:

@@ -6,10 +6,22 @@ and one generator per CUDA device. Generators the user creates
 (``numpy.random.default_rng()``, ``torch.Generator``, ``random.Random``) are not
 covered by any global state, so they are passed by name in ``rngs`` and
 captured individually. Restoring validates every source before changing any.
+
+A NumPy ``Generator`` is more than its bit generator's state: ``spawn()``
+derives child streams from the bit generator's ``SeedSequence`` (entropy,
+spawn key, pool size, and how many children it has spawned), so that is
+captured and restored too (``seed_seq``; None when the generator has no
+``SeedSequence``, and the live one's is then left as it is). A record
+written before it was captured (no ``seed_seq``) restores the draws exactly
+as before and returns a warning: ``spawn()`` may hand out other children
+than the uninterrupted run, and a restore that cannot promise that is not
+an identical continuation. The next save records it, so the warning does
+not repeat.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Mapping
 from typing import Any, Union
@@ -17,16 +29,30 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from ..errors import StateMismatch, TopologyMismatch
+from ..errors import InvalidType, StateMismatch, TopologyMismatch, UnsupportedValue
+from ..format.codec import TensorTable, encode
 
 Generator = Union[np.random.Generator, np.random.RandomState, torch.Generator, random.Random]
 
 
 def check_generator(name: str, rng: object) -> None:
+    """Refuse, at construction, a generator that no save could capture."""
+    if type(name) is not str:
+        raise InvalidType(f"rngs keys name the generators and must be strings, not {name!r}")
     if not isinstance(rng, (np.random.Generator, np.random.RandomState, torch.Generator, random.Random)):
-        raise TypeError(
+        raise InvalidType(
             f"rngs[{name!r}] is a {type(rng).__qualname__}; pass a numpy.random.Generator, "
             "numpy.random.RandomState, torch.Generator or random.Random")
+    if isinstance(rng, random.SystemRandom):
+        raise InvalidType(
+            f"rngs[{name!r}] is a random.SystemRandom, which draws from the operating system and has no state "
+            "to capture: no restart could continue it. Use random.Random(seed) for a stream that resumes, or "
+            "keep it out of rngs")
+    try:
+        encode(_capture_one(rng), f"rngs.{name}", TensorTable())
+    except (NotImplementedError, TypeError, ValueError, RuntimeError, AttributeError, UnsupportedValue) as exc:
+        raise InvalidType(f"rngs[{name!r}] ({type(rng).__qualname__}): its state cannot be captured ({exc!s:.200}); "
+                          "pass a generator whose state can be saved, or keep it out of rngs") from None
 
 
 def _kind(rng: Generator) -> str:
@@ -39,10 +65,50 @@ def _kind(rng: Generator) -> str:
     return "random.Random"
 
 
+def _seed_seq(bit_generator: np.random.BitGenerator) -> dict[str, Any] | None:
+    """What ``spawn()`` derives children from; None when the generator has no SeedSequence."""
+    seq = getattr(bit_generator, "seed_seq", None) or getattr(bit_generator, "_seed_seq", None)
+    if not isinstance(seq, np.random.SeedSequence):
+        return None
+    entropy = seq.entropy
+    entropy = int(entropy) if isinstance(entropy, (int, np.integer)) else [int(v) for v in entropy]
+    return {"entropy": entropy, "spawn_key": [int(k) for k in seq.spawn_key], "pool_size": int(seq.pool_size),
+            "n_children_spawned": int(seq.n_children_spawned)}
+
+
+def _seed_sequence(record: object) -> np.random.SeedSequence | None:
+    """The SeedSequence a record describes; ValueError if it is malformed."""
+    if record is None:
+        return None
+
+    def count(value: object) -> bool:
+        return type(value) is int and value >= 0
+
+    entropy = record.get("entropy") if type(record) is dict else None
+    if not (type(record) is dict and set(record) == {"entropy", "spawn_key", "pool_size", "n_children_spawned"}
+            and (count(entropy) or (type(entropy) is list and entropy and all(count(v) for v in entropy)))
+            and type(record["spawn_key"]) is list and all(count(v) for v in record["spawn_key"])
+            and count(record["pool_size"]) and count(record["n_children_spawned"])):
+        raise ValueError(f"malformed SeedSequence record {record!r:.120}")
+    return np.random.SeedSequence(entropy, spawn_key=tuple(record["spawn_key"]), pool_size=record["pool_size"],
+                                  n_children_spawned=record["n_children_spawned"])
+
+
+@functools.lru_cache(maxsize=None)
+def _seed_seq_restorable() -> bool:
+    """NumPy 2.0 and later set a bit generator's SeedSequence through ``__setstate__``; 1.x cannot."""
+    probe = np.random.PCG64(0)
+    try:
+        probe.__setstate__((probe.state, np.random.SeedSequence(1)))
+    except (TypeError, ValueError, KeyError):
+        return False
+    return getattr(probe, "_seed_seq", None) is not None and probe._seed_seq.entropy == 1
+
+
 def _capture_one(rng: Generator) -> dict[str, Any]:
     kind = _kind(rng)
     if kind == "numpy.Generator":
-        return {"type": kind, "state": rng.bit_generator.state}
+        return {"type": kind, "state": rng.bit_generator.state, "seed_seq": _seed_seq(rng.bit_generator)}
     if kind == "numpy.RandomState":
         return {"type": kind, "state": rng.get_state(legacy=False)}
     if kind == "torch.Generator":
@@ -62,27 +128,40 @@ def capture(named: Mapping[str, Generator], *, include_globals: bool = True) -> 
     return out
 
 
-def restore(saved: Mapping[str, Any], named: Mapping[str, Generator], *, statistical_cuda: bool = False) -> list[str]:
+def restore(saved: Mapping[str, Any], named: Mapping[str, Generator], *, statistical_cuda: bool = False,
+            restore_globals: bool = True) -> list[str]:
     """Validate ``saved`` against the live generators, then restore them all.
 
     Returns warnings (for example, CUDA streams skipped under
     ``statistical_cuda``). Raises before touching any generator if a source is
     missing, of another kind, malformed, or the CUDA device count differs.
+    With ``restore_globals=False`` the process's global sources are left as
+    they are (a TrainState built with ``capture_global_rngs=False``).
     """
-    warnings = validate(saved, named, statistical_cuda=statistical_cuda)
-    apply_validated(saved, named, restore_cuda=not warnings)
+    warnings = validate(saved, named, statistical_cuda=statistical_cuda, restore_globals=restore_globals)
+    apply_validated(saved, named, restore_globals=restore_globals)
     return warnings
 
 
-def apply_validated(saved: Mapping[str, Any], named: Mapping[str, Generator], *, restore_cuda: bool) -> None:
-    """Set every generator from a record that :func:`validate` already accepted."""
+def _live_cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def apply_validated(saved: Mapping[str, Any], named: Mapping[str, Generator], *, restore_cuda: bool = True,
+                    restore_globals: bool = True) -> None:
+    """Set every generator from a record that :func:`validate` already accepted.
+
+    The CUDA streams are set only where this process sees as many devices as
+    were saved (validation refused a difference, unless it was accepted as a
+    statistical continuation).
+    """
     for name, rng in named.items():
         _restore_one(rng, saved["named"][name])
-    if "python" in saved:
+    if "python" in saved and restore_globals:
         random.setstate(saved["python"])
         np.random.set_state(saved["numpy_global"])
         torch.set_rng_state(saved["torch_cpu"])
-        if saved["torch_cuda"] and restore_cuda:
+        if saved["torch_cuda"] and restore_cuda and len(saved["torch_cuda"]) == _live_cuda_count():
             torch.cuda.set_rng_state_all(saved["torch_cuda"])
 
 
@@ -90,7 +169,7 @@ def _check_cuda(saved: Mapping[str, Any], statistical_cuda: bool) -> list[str]:
     if "torch_cuda" not in saved:
         return []
     count = len(saved["torch_cuda"])
-    live = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    live = _live_cuda_count()
     if count == live:
         return []
     if not statistical_cuda:
@@ -102,8 +181,37 @@ def _check_cuda(saved: Mapping[str, Any], statistical_cuda: bool) -> list[str]:
             "CUDA randomness continues statistically, not bitwise"]
 
 
+def _check_globals(saved: Mapping[str, Any], restore_globals: bool) -> list[str]:
+    """A difference in ``capture_global_rngs`` between the saving and the restoring run."""
+    if "python" not in saved and restore_globals:
+        return ["the global RNG streams (Python random, NumPy global, torch CPU and CUDA) were not saved (the "
+                "saving run had capture_global_rngs=False), so they were not restored: they continue from this "
+                "process's state. Save with capture_global_rngs=True for an exact continuation"]
+    if "python" in saved and not restore_globals:
+        return ["the checkpoint holds the global RNG streams, but this TrainState has capture_global_rngs=False: "
+                "they were left as they are in this process, not restored"]
+    return []
+
+
+def _check_seed_seqs(saved_named: Mapping[str, Any], named: Mapping[str, Generator]) -> list[str]:
+    warnings = []
+    for name, rng in named.items():
+        record = saved_named[name]
+        if record["type"] != "numpy.Generator":
+            continue
+        if "seed_seq" not in record:
+            warnings.append(f"rngs[{name!r}]: the checkpoint predates SeedSequence capture; its draws continue "
+                            "exactly, but Generator.spawn() may hand out other child streams than the "
+                            "uninterrupted run. The next save records it")
+        elif not _seed_seq_restorable() and record["seed_seq"] != _seed_seq(rng.bit_generator):
+            warnings.append(f"rngs[{name!r}]: this NumPy ({np.__version__}) cannot restore a Generator's "
+                            "SeedSequence (NumPy 2.0 can); its draws continue exactly, but Generator.spawn() "
+                            "may hand out other child streams than the uninterrupted run")
+    return warnings
+
+
 def validate(saved: Mapping[str, Any], named: Mapping[str, Generator], *,
-             statistical_cuda: bool = False) -> list[str]:
+             statistical_cuda: bool = False, restore_globals: bool = True) -> list[str]:
     """Check every saved source against the live ones without changing any; return warnings."""
     saved_named = saved.get("named", {})
     if set(saved_named) != set(named):
@@ -113,10 +221,10 @@ def validate(saved: Mapping[str, Any], named: Mapping[str, Generator], *,
     for name, rng in named.items():
         record = saved_named[name]
         if type(record) is not dict or record.get("type") != _kind(rng):
-            raise StateMismatch(f"rngs[{name!r}]: the checkpoint holds a {record.get('type')!r}, "
-                                f"this run passes a {_kind(rng)}")
+            got = record.get("type") if type(record) is dict else type(record).__name__
+            raise StateMismatch(f"rngs[{name!r}]: the checkpoint holds a {got!r}, this run passes a {_kind(rng)}")
         if record["type"] == "numpy.Generator":
-            saved_bits = record["state"].get("bit_generator")
+            saved_bits = record["state"].get("bit_generator") if type(record.get("state")) is dict else None
             live_bits = type(rng.bit_generator).__name__
             if saved_bits != live_bits:
                 raise StateMismatch(f"rngs[{name!r}]: the checkpoint's bit generator is {saved_bits!r}, "
@@ -127,7 +235,8 @@ def validate(saved: Mapping[str, Any], named: Mapping[str, Generator], *,
     if "python" in saved and not {"numpy_global", "torch_cpu", "torch_cuda"} <= set(saved):
         raise StateMismatch("the checkpoint's global RNG record is incomplete")
     _dry_run(saved, named)
-    return _check_cuda(saved, statistical_cuda)
+    warnings = _check_cuda(saved, statistical_cuda) if restore_globals else []
+    return warnings + _check_globals(saved, restore_globals) + _check_seed_seqs(saved_named, named)
 
 
 def _dry_run(saved: Mapping[str, Any], named: Mapping[str, Generator]) -> None:
@@ -159,7 +268,12 @@ def _dry_run(saved: Mapping[str, Any], named: Mapping[str, Generator]) -> None:
 def _restore_one(rng: Generator, record: dict) -> None:
     kind = record["type"]
     if kind == "numpy.Generator":
-        rng.bit_generator.state = record["state"]
+        seq = _seed_sequence(record.get("seed_seq"))
+        if seq is not None and _seed_seq_restorable():
+            # one call sets both: the state and the SeedSequence spawn() continues from
+            rng.bit_generator.__setstate__((record["state"], seq))
+        else:  # an older record, a saved generator without a SeedSequence, or NumPy 1.x: the draws only
+            rng.bit_generator.state = record["state"]
     elif kind == "numpy.RandomState":
         rng.set_state(record["state"])
     elif kind == "torch.Generator":

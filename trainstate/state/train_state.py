@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from . import contract as contract_mod
+from ..errors import ContinuationWarning, InvalidType
 from .grads import GradientTracker
 from .rng import Generator, check_generator
 
 RESERVED = frozenset({"rngs", "contract", "capture_global_rngs"})
 _ATTRIBUTES = frozenset({"components", "next_update", "tokens_seen", "counters", "facts", "history", "pending_gradients",
                          "parent", "lineage"})
+# What torch's LR schedulers write into the param groups they drive: every LRScheduler sets initial_lr;
+# OneCycleLR max_lr and min_lr; CyclicLR and OneCycleLR the momentum bounds; SWALR swa_lr.
+# (ReduceLROnPlateau writes nothing there, so an unregistered one cannot be seen.)
+SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"})
 
 
 class TrainState:
@@ -42,15 +48,20 @@ class TrainState:
                  capture_global_rngs: bool = True, **components: Any):
         for name, component in components.items():
             if name in _ATTRIBUTES or name.startswith("_"):
-                raise TypeError(f"{name!r} cannot name a component: it is a TrainState attribute; rename it")
+                # a keyword Python would refuse if it were a parameter: a TypeError, as Python's own
+                raise InvalidType(f"{name!r} cannot name a component: it is a TrainState attribute; rename it")
             if not (callable(getattr(component, "state_dict", None))
                     and callable(getattr(component, "load_state_dict", None))):
-                raise TypeError(f"component {name!r} ({type(component).__qualname__}) has no "
-                                "state_dict()/load_state_dict(); wrap it in an object that does")
+                raise InvalidType(f"component {name!r} ({type(component).__qualname__}) has no "
+                                  "state_dict()/load_state_dict(); wrap it in an object that does")
+        for arg, value in (("rngs", rngs), ("contract", contract)):
+            if value is not None and not isinstance(value, Mapping):
+                raise InvalidType(f"{arg} must be a mapping of names to values (a dict), not a "
+                                  f"{type(value).__qualname__}")
         self.components: dict[str, Any] = dict(components)
         self.rngs: dict[str, Generator] = dict(rngs or {})
         for name, rng in self.rngs.items():
-            check_generator(name, rng)
+            check_generator(name, rng)  # refuses a generator no save could capture (random.SystemRandom)
         self.contract: dict[str, Any] = dict(contract or {})
         contract_mod.build(self.contract, {})  # reject non-JSON contract values now, not at the first save
         self.capture_global_rngs = capture_global_rngs
@@ -64,6 +75,18 @@ class TrainState:
         self._grads = GradientTracker(
             [c for c in components.values() if isinstance(c, torch.optim.Optimizer)],
             [c for c in components.values() if isinstance(c, torch.amp.GradScaler)])
+        self._scheduler_warned: set[str] = set()
+
+    @property
+    def capture_global_rngs(self) -> bool:
+        """Whether saves capture, and restores set, the process's global RNG streams."""
+        return self._capture_global_rngs
+
+    @capture_global_rngs.setter
+    def capture_global_rngs(self, value: bool) -> None:
+        if type(value) is not bool:
+            raise InvalidType(f"capture_global_rngs must be True or False, not {value!r}")
+        self._capture_global_rngs = value
 
     def __getitem__(self, name: str) -> Any:
         return self.components[name]
@@ -75,6 +98,28 @@ class TrainState:
     def pending_gradients(self) -> bool:
         """True when a backward pass accumulated gradients that no optimizer step has consumed."""
         return self._grads.pending
+
+    def _warn_unregistered_schedulers(self) -> None:
+        """Once per optimizer, at a save: an LR scheduler drives it, but none is registered here.
+
+        Such a scheduler is not saved, so a restore resets it silently. Its
+        keys in the optimizer's param groups (``initial_lr``, ...) give it
+        away; a registered component whose ``.optimizer`` is this optimizer
+        (a scheduler, or a SequentialLR around several) is the fix.
+        """
+        driven = {id(getattr(c, "optimizer", None)) for c in self.components.values()
+                  if not isinstance(c, torch.optim.Optimizer)}
+        for name, optimizer in self.components.items():
+            if not isinstance(optimizer, torch.optim.Optimizer) or name in self._scheduler_warned \
+                    or id(optimizer) in driven:
+                continue
+            keys = sorted({k for group in optimizer.param_groups for k in group if k in SCHEDULER_KEYS})
+            if keys:
+                self._scheduler_warned.add(name)
+                warnings.warn(ContinuationWarning(
+                    f"optimizer {name!r} is driven by an LR scheduler that this TrainState does not hold (its param "
+                    f"groups carry {', '.join(keys)}): the scheduler is not saved, and a restore would restart its "
+                    "schedule. Register the scheduler in TrainState(scheduler=...)"), stacklevel=2)
 
     def data_positions(self) -> dict[str, Any]:
         """Components that keep a data position (``data_position()``), by name."""

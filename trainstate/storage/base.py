@@ -15,6 +15,11 @@ Call order for one save, and who calls each step (the manager, always):
 4. The manager verifies the committed generation through the read methods.
 5. ``write_pointer(name, data)`` atomically replaces a small pointer object.
 6. ``remove(generation)`` prunes, only after the pointer has moved.
+
+Replacing a generation of the same name never removes it first: it is set
+aside as ``superseded``, the replacement is published, and only after the
+pointer has moved is the old one removed (or, if publishing fails, put back
+with ``reinstate``).
 """
 
 from __future__ import annotations
@@ -70,7 +75,18 @@ class Store(Protocol):
         """Make a generation invisible atomically, then delete its files."""
 
     def set_aside(self, generation: str, reason: str) -> str:
-        """Move a damaged generation out of sight, keeping its files; return its new name."""
+        """Move a generation out of sight of readers and cleanup, keeping its files; return its new name.
+
+        ``reason`` is one of ``rejected`` (damaged), ``abandoned`` (another
+        timeline) or ``superseded`` (being replaced: removed once the
+        replacement is published, or put back if the replacement fails).
+        """
+
+    def aside(self) -> list[str]:
+        """Names of everything set aside (kept as evidence, or mid-replacement), sorted."""
+
+    def reinstate(self, aside: str, generation: str) -> None:
+        """Move a set-aside generation back under its own name; ``GenerationExists`` if that name is taken."""
 
     def clean_leftovers(self) -> list[str]:
         """Delete what ``leftovers`` lists; return the names removed."""

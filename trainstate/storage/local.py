@@ -1,4 +1,4 @@
-"""Local POSIX storage: the only module that calls fsync and rename.
+"""Local POSIX storage: the order of every fsync and rename (the calls themselves are in ``posix.py``).
 
 Publication of one generation::
 
@@ -26,23 +26,26 @@ import fcntl
 import os
 import re
 import secrets
-import shutil
 import stat
-import threading
 import weakref
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from ..errors import (CorruptGeneration, DirectoryLocked, GenerationExists, ReadOnlyDirectory, RunDirectoryGone,
+                      TrainStateError)
 from ..format.digest import Hasher, digest_stream, new_hasher
-from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, TrainStateError
 from ..format.manifest import FileRecord, newest_first
+from .posix import PosixOps, _fsync_beside, _hash_while_writing, _write_all, coalesce, open_regular
+
+__all__ = ["LOCK_FILE", "LocalStaging", "LocalStore", "PosixOps", "coalesce", "open_regular"]
 
 LOCK_FILE = ".trainstate.lock"
 _PREFIX = ".trainstate-"
 _LEFTOVER_RE = re.compile(r"\.trainstate-(staging|trash|tmp)-[A-Za-z0-9._-]{1,80}-[0-9a-f]{16}")
+_ASIDE_RE = re.compile(r"(gen-\d{12}(?:-weights)?|latest|latest-weights|pins|run-identity)\.(rejected|abandoned|superseded)-[0-9a-f]{16}")
+ASIDE_REASONS = ("rejected", "abandoned", "superseded")
+_READ_ONLY = (errno.EACCES, errno.EROFS, errno.EPERM)
 _LOCK_HOLDERS: weakref.WeakSet = weakref.WeakSet()
 _KEPT_COPIES_LIMIT = 64 << 20  # coalesced small-tensor copies held for digesting after the write
 
@@ -71,144 +74,6 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 def _token() -> str:
     return secrets.token_hex(8)
-
-
-class PosixOps:
-    """The mutating filesystem calls of the publication protocol, and nothing else.
-
-    Every create, write, fsync, rename and removal the store performs goes
-    through one of these methods, so a test can substitute a recording or
-    fault-injecting subclass and exercise the very code path production runs.
-    """
-
-    def mkdir(self, path: Path) -> None:
-        os.mkdir(path)
-
-    def create(self, path: Path) -> int:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-
-    def write(self, fd: int, data: memoryview) -> int:
-        return os.write(fd, data)
-
-    def fsync(self, fd: int) -> None:
-        os.fsync(fd)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
-
-    def fsync_dir(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def rename(self, src: Path, dst: Path) -> None:
-        os.rename(src, dst)
-
-    def replace(self, src: Path, dst: Path) -> None:
-        os.replace(src, dst)
-
-    def unlink(self, path: Path) -> None:
-        os.unlink(path)
-
-    def rmtree(self, path: Path) -> None:
-        shutil.rmtree(path)
-
-
-def open_regular(path: str | Path) -> BinaryIO:
-    """Open a regular file for reading without following a final symlink."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CorruptGeneration(str(path), "is a symbolic link, not a regular file") from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptGeneration(str(path), "is not a regular file")
-    return os.fdopen(fd, "rb")
-
-
-def coalesce(chunks: Iterable[bytes | memoryview], limit: int = 4 << 20) -> Iterator[memoryview]:
-    """Merge small chunks (one per small tensor) into writes of about ``limit`` bytes.
-
-    Large chunks pass through without a copy; only small ones are copied, so a
-    state of many small tensors costs a few large writes instead of thousands
-    of tiny ones.
-    """
-    pending = bytearray()
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        if len(view) >= limit:
-            if pending:
-                yield memoryview(pending)
-                pending = bytearray()
-            yield view
-            continue
-        pending += view
-        if len(pending) >= limit:
-            yield memoryview(pending)
-            pending = bytearray()
-    if pending:
-        yield memoryview(pending)
-
-
-def _hash_while_writing(ops: PosixOps, fd: int, views: Iterable[memoryview], hasher: Hasher) -> int:
-    """Write ``views`` to ``fd`` while a second thread digests the same views, in order.
-
-    The digest is of the bytes handed to write(), computed beside the write
-    rather than before it, so hashing does not lengthen the save. At most a few
-    views are in flight, which bounds the memory held for chunks that are
-    temporary copies (from CUDA, or coalesced small tensors).
-    """
-    size = 0
-    in_flight: deque[Future] = deque()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-digest") as hashing:
-        try:
-            for view in views:
-                in_flight.append(hashing.submit(hasher.update, view))
-                _write_all(ops, fd, view)
-                size += len(view)
-                while len(in_flight) > 4:
-                    in_flight.popleft().result()
-        except BaseException:
-            for pending in in_flight:  # the file is abandoned: skip what has not started
-                pending.cancel()
-            raise
-        for pending in in_flight:
-            pending.result()
-    return size
-
-
-def _fsync_beside(ops: PosixOps, fd: int, work: Callable[[], None]) -> None:
-    """Run ``work`` on this thread while ``fd`` is fsynced on another; raise the fsync's error, if any.
-
-    The fsync is mostly waiting for the disk, which is when digesting costs nothing.
-    A failed fsync is raised, never retried.
-    """
-    failure: list[BaseException] = []
-
-    def sync() -> None:
-        try:
-            ops.fsync(fd)
-        except BaseException as exc:  # re-raised below, on the caller's thread
-            failure.append(exc)
-
-    syncer = threading.Thread(target=sync, name="trainstate-fsync")
-    syncer.start()
-    try:
-        work()
-    finally:
-        syncer.join()
-    if failure:
-        raise failure[0]
-
-
-def _write_all(ops: PosixOps, fd: int, data: memoryview) -> None:
-    while data:
-        written = ops.write(fd, data)
-        data = data[written:]
 
 
 class LocalStaging:
@@ -306,8 +171,14 @@ class LocalStore:
         self.location = str(self.root)
         self.digest_algorithm = digest_algorithm
         self._lock_fd: int | None = None
+        self._identity: tuple[int, int, int, int] | None = None  # (dev, inode) of the directory and lock file
         if create:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                if exc.errno not in _READ_ONLY:
+                    raise
+                # reading needs no directory of our own; the first write names the problem (ReadOnlyDirectory)
 
     # reading -----------------------------------------------------------------
     def _names(self) -> list[str]:
@@ -322,16 +193,24 @@ class LocalStore:
     def leftovers(self) -> list[str]:
         return sorted(n for n in self._names() if _LEFTOVER_RE.fullmatch(n))
 
+    def _generation_dir(self, generation: str) -> Path:
+        """A generation's directory, refusing a symbolic link (the listing skips them; so must every reader)."""
+        path = self.root / generation
+        if path.is_symlink():
+            raise CorruptGeneration(generation, "is a symbolic link, not a generation directory; a generation "
+                                                "is never read through a link")
+        return path
+
     def files(self, generation: str) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
-        with os.scandir(self.root / generation) as entries:
+        with os.scandir(self._generation_dir(generation)) as entries:
             for entry in entries:
                 st = entry.stat(follow_symlinks=False)
                 out[entry.name] = st.st_size if stat.S_ISREG(st.st_mode) else None
         return out
 
     def open(self, generation: str, file: str) -> BinaryIO:
-        return open_regular(self.root / generation / file)
+        return open_regular(self._generation_dir(generation) / file)
 
     def path(self, generation: str, file: str = "") -> Path:
         return self.root / generation / file if file else self.root / generation
@@ -384,10 +263,21 @@ class LocalStore:
 
     def set_aside(self, generation: str, reason: str) -> str:
         """Rename a generation out of sight of restore and cleanup, keeping its files as evidence."""
+        if reason not in ASIDE_REASONS:
+            raise ValueError(f"reason must be one of {ASIDE_REASONS}, got {reason!r}")
         aside = f"{generation}.{reason}-{_token()}"
         self.ops.rename(self.root / generation, self.root / aside)
         self.ops.fsync_dir(self.root)
         return aside
+
+    def aside(self) -> list[str]:
+        return sorted(n for n in self._names() if _ASIDE_RE.fullmatch(n))
+
+    def reinstate(self, aside: str, generation: str) -> None:
+        if os.path.lexists(self.root / generation):
+            raise GenerationExists(f"cannot put {aside} back: {self.root / generation} exists")
+        self.ops.rename(self.root / aside, self.root / generation)
+        self.ops.fsync_dir(self.root)
 
     def clean_leftovers(self) -> list[str]:
         removed = []
@@ -401,27 +291,69 @@ class LocalStore:
         return removed
 
     def lock(self) -> None:
+        """Take the single-writer lock; while held, check the directory is still the one locked."""
         if self._lock_fd is not None:
+            self._check_still_ours()
             return
-        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno in _READ_ONLY:
+                raise ReadOnlyDirectory(
+                    f"cannot write to {self.root} ({exc.strerror}): saving needs a run directory this process can "
+                    "write. Reading (restore, ls, verify, inspect) works without it; to save, use a writable "
+                    "directory, or copy the run to one.") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
+            if holder == str(os.getpid()):
+                raise DirectoryLocked(
+                    f"{self.root} is already open for writing by another CheckpointManager in this process "
+                    f"(pid {holder}); only one manager may write a run directory. Close the first one (or leave "
+                    "its `with` block) before opening another, or use that one.") from None
             raise DirectoryLocked(
                 f"{self.root} is being written by another process (pid {holder}); only one manager may "
                 "write a run directory. Stop the other run, or give this one its own directory.") from None
         # The kernel drops a flock when its holder dies, even by SIGKILL: no stale locks.
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
+        here, lock = os.stat(self.root), os.fstat(fd)
+        self._identity = (here.st_dev, here.st_ino, lock.st_dev, lock.st_ino)
         self._lock_fd = fd
         _LOCK_HOLDERS.add(self)
+
+    def _check_still_ours(self) -> None:
+        """The directory (and lock file) this lock was taken on must still be the one at ``root``.
+
+        A run directory deleted, or deleted and recreated, while the manager
+        holds it would otherwise fail deep in a save with a staging path, or
+        let a second manager lock the new directory beside this one.
+        """
+        try:
+            here, lock = os.stat(self.root), os.stat(self.root / LOCK_FILE)
+            now = (here.st_dev, here.st_ino, lock.st_dev, lock.st_ino)
+        except FileNotFoundError:
+            now = None
+        if now != self._identity:
+            what = "was deleted" if now is None else "was deleted and created again (another writer may use it)"
+            raise RunDirectoryGone(
+                f"the run directory {self.root} {what} while this manager had it open; nothing more is written "
+                "there. Restore from wherever the run's generations are now, in a new manager.")
 
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:
         """A short, blocking, cross-process mutex (``.trainstate.<name>.lock``), e.g. pins against prune."""
-        fd = os.open(self.root / f".trainstate.{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.root / f".trainstate.{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno in _READ_ONLY:
+                raise ReadOnlyDirectory(f"cannot write to {self.root} ({exc.strerror}); changing pins or pruning "
+                                        "needs a writable run directory") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

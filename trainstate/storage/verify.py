@@ -20,7 +20,8 @@ from ..format import tensorfile
 from ..format.codec import decode
 from ..format.digest import digest_bytes, digest_stream, new_hasher
 from ..errors import CorruptGeneration
-from ..format.manifest import FORMAT_VERSION, MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, load_json, parse_manifest
+from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, check_version, load_json,
+                               parse_manifest)
 from ..format.signing import SigningKey
 from .base import Store
 
@@ -77,7 +78,13 @@ def read_manifest(store: Store, generation: str, pointer: Pointer | None = None,
 
 def verify_generation(store: Store, generation: str, pointer: Pointer | None = None, *, content: bool = True,
                       key: SigningKey | None = None) -> Verified:
-    """Check the file set and sizes, and with ``content`` every file's digest."""
+    """Check the file set and sizes, and with ``content`` every file's digest and that the state decodes.
+
+    With ``content`` it decodes the state exactly as restore does (a preview:
+    large tensors are digested, not kept), so a generation that passes
+    ``trainstate verify`` is one restore accepts, short of a mismatch with the
+    live objects it is restored into.
+    """
     manifest, digest, size = read_manifest(store, generation, pointer, key)
     try:
         present = store.files(generation)
@@ -96,7 +103,11 @@ def verify_generation(store: Store, generation: str, pointer: Pointer | None = N
         if present[record.name] != record.size:
             raise CorruptGeneration(where, f"is {present[record.name]} bytes, the manifest says {record.size}")
     if content:
+        decode_verified(store, manifest, preview=True)  # digests state.json and the tensor files as it reads
+        decoded = {STATE, *tensor_files(manifest)}
         for record in manifest.files:
+            if record.name in decoded:
+                continue
             where = f"{generation}/{record.name}"
             try:
                 with store.open(generation, record.name) as stream:
@@ -124,7 +135,7 @@ def check_state_schema(state: dict, where: str, kind: str, next_update: int) -> 
             raise CorruptGeneration(where, what)
 
     need(state.get("format") == "trainstate-state", "not a trainstate state file")
-    need(state.get("format_version") == FORMAT_VERSION, f"format_version is not {FORMAT_VERSION}")
+    check_version(where, state.get("format_version"))
     need(state.get("kind") == kind, f"kind differs from the manifest's {kind!r}")
     expected = {"format", "format_version", "kind", "clocks", "counters", "facts", "components", "contract", "history"}
     optional = {"rng", "pending_gradients", "grads"} if kind == "full" else set()
@@ -240,14 +251,31 @@ def decode_verified(store: Store, manifest: Manifest, component: str | None = No
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-verify") as pool:
             for name in tensor_files(manifest):
                 _read_tensor_file(store, manifest, name, wanted, tensors, pool, preview=preview, into=into)
-        payload = decode(state, component or "", tensors)
-        if component is None:
-            check_decoded(payload, where_state)
+        if component is not None:
+            return {"type": state["type"], "state": decode(state["state"], component, tensors)}
+        payload = decode_state(state, tensors)
+        check_decoded(payload, where_state)
         return payload
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
         raise CorruptGeneration(generation, f"unreadable ({exc.strerror})") from None
+
+
+def decode_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Decode the sections the writer encoded; the others (clocks, counters, contract, history) were
+    written as plain JSON and are read as such, so a contract value like ``{"$t": ...}`` stays a dict.
+    Facts are encoded from format 2 on; format 1 wrote them as plain JSON."""
+    payload = dict(state)
+    payload["components"] = {name: {"type": c["type"], "state": decode(c["state"], name, tensors)}
+                             for name, c in state["components"].items()}
+    if state["format_version"] >= 2:
+        payload["facts"] = decode(state["facts"], "facts", tensors)
+    if "rng" in state:
+        payload["rng"] = decode(state["rng"], "rng", tensors)
+    if "grads" in state:
+        payload["grads"] = {name: decode(g, f"grads.{name}", tensors) for name, g in state["grads"].items()}
+    return payload
 
 
 def check_decoded(payload: dict[str, Any], where: str) -> None:
@@ -290,7 +318,8 @@ def _read_verified_state(store: Store, manifest: Manifest) -> dict[str, Any]:
 
 def _fits(dest: torch.Tensor | None, entry: tensorfile.Entry) -> bool:
     return (dest is not None and dest.device.type == "cpu" and dest.dtype == entry.dtype
-            and tuple(dest.shape) == tuple(entry.shape) and dest.is_contiguous())
+            and tuple(dest.shape) == tuple(entry.shape) and dest.is_contiguous()
+            and not dest.is_conj() and not dest.is_neg())  # their memory is not their values
 
 
 def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[str],
