@@ -138,6 +138,21 @@ class StoreConformance:
         assert view.read_pointer("latest") == b"pointer bytes"
         assert read(view, generation_name(10), "a.bin") == generation_name(10).encode() * 3
 
+    def test_another_handle_joins_a_staging_area_and_one_commit_publishes_both(self, store: Store, reopen: Reopen):
+        first = store.begin(generation_name(13))
+        second = reopen(store).join(generation_name(13), first.name)
+        second.write("rank-1.bin", [b"from the other rank"])
+        first.write("rank-0.bin", [b"from rank 0"])
+        assert store.generations() == []  # still staged: invisible
+        first.commit()
+        assert read(store, generation_name(13), "rank-1.bin") == b"from the other rank"
+        assert store.files(generation_name(13)) == {"rank-0.bin": 11, "rank-1.bin": 19}
+
+    def test_joining_a_staging_area_that_does_not_exist_fails(self, store: Store, reopen: Reopen):
+        name = store.begin(generation_name(14)).name
+        with pytest.raises((FileNotFoundError, ValueError)):
+            reopen(store).join(generation_name(14), name.replace(name[-4:], "0000"))
+
     # pointers --------------------------------------------------------------------------
     def test_pointer_absent_then_replaced_whole(self, store: Store, reopen: Reopen):
         assert store.read_pointer("latest") is None

@@ -28,6 +28,7 @@ def _examples() -> list[BaseException]:
         errors.UnsupportedValue("scheduler.lr_lambdas[0]", lambda: 0),
         errors.InsufficientSpace("/runs/x", "gen-000000000002", 10_000, 5),
         errors.PinNotFound("no pin named 'final'"),
+        errors.CheckpointFailed("write", {1: "OSError: disk full"}, peer_lost=True),
         AsyncSaveFailed("background save of gen-000000000003 failed"),
         DrillError("a worker hung"),
     ]

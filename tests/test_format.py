@@ -203,7 +203,7 @@ def _bits(tensor: torch.Tensor) -> bytes:
         return b""
     carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(tensor.element_size())
     tensor = tensor.view(carrier) if carrier else tensor  # no copy kernel for sub-byte dtypes; bits kept
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return tensor.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8).numpy().tobytes()
 
 
 def same(a, b) -> bool:

@@ -93,6 +93,13 @@ class ReinstatesOverAnother(LocalStore):
         os.rename(self.root / aside, self.root / generation)
 
 
+class JoinsAFreshArea(LocalStore):
+    """Each rank stages apart: the files of the ranks that did not commit are never published."""
+
+    def join(self, generation, staging):
+        return self.begin(generation)
+
+
 class PointerAppends(LocalStore):
     def write_pointer(self, name, data):
         with open(self.root / name, "ab") as f:
@@ -109,6 +116,7 @@ class PointerAppends(LocalStore):
     (BlindToLeftovers, "test_interrupted_staging_is_a_leftover_for_the_next_handle"),
     (PointerAppends, "test_pointer_absent_then_replaced_whole"),
     (HidesEvidence, "test_set_aside_entries_are_listed_as_evidence"),
+    (JoinsAFreshArea, "test_another_handle_joins_a_staging_area_and_one_commit_publishes_both"),
     (ReinstatesOverAnother, "test_reinstate_puts_a_generation_back_and_never_over_another"),
 ])
 def test_the_suite_fails_a_backend_that_breaks_the_contract(tmp_path, broken, clause):

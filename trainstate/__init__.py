@@ -27,8 +27,9 @@ from .data.samplerng import SampleIndex, sample_generator
 from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
                      ExistingRun, FieldChange, GenerationExists, GenerationNotFound, InsufficientSpace,
                      InvalidArgument, InvalidType, NoValidGeneration, PendingGradients, PinNotFound, PointerRollback,
-                     ReadOnlyDirectory, Rejection, RunDirectoryGone, StaleIterator, StateMismatch, TopologyMismatch,
-                     TrainStateError, UnsupportedValue, WeightsOnlyGeneration)
+                     ReadOnlyDirectory, Rejection, RunDirectoryGone, StaleIterator, StateMismatch,
+                     StorageAccessDenied, StorageNotFound, StorageUnavailable, TopologyMismatch, TrainStateError,
+                     UnsupportedValue, WeightsOnlyGeneration)
 from .format.signing import SigningKey
 from .lifecycle.preemption import EXIT_PREEMPTED, PreemptionHandler
 from .lifecycle.rehearsal import Rehearsal
@@ -74,6 +75,9 @@ __all__ = [
     "StaleIterator",
     "StateMismatch",
     "Status",
+    "StorageAccessDenied",
+    "StorageNotFound",
+    "StorageUnavailable",
     "TopologyMismatch",
     "TrainState",
     "TrainStateError",

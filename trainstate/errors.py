@@ -22,6 +22,7 @@ describes the same situation, the subclass inherits it too, so existing
     ├── GenerationNotFound(FileNotFoundError) a generation named by the caller does not exist
     ├── PinNotFound(KeyError)            no pin of that name
     ├── StaleIterator(RuntimeError)      an iterator used after a newer one replaced it
+    ├── CheckpointFailed(RuntimeError)   a multi-rank save or restore failed on some rank (named)
     ├── PointerRollback                  ``latest`` names an older generation than a newer valid one
     ├── InsufficientSpace(OSError)       the disk cannot hold the next generation (errno ENOSPC)
     ├── ReadOnlyDirectory(PermissionError) saving into a directory this process cannot write
@@ -194,6 +195,24 @@ class GenerationExists(TrainStateError, FileExistsError):
     """A published generation with that name already exists and is never overwritten."""
 
 
+class CheckpointFailed(TrainStateError, RuntimeError):
+    """A multi-rank save or restore failed on some rank; every rank raises it (or its own error).
+
+    ``phase`` names the step of the protocol; ``failures`` maps each failing
+    rank to what it reported (``-1``: a peer was lost, the rank is not known).
+    Nothing of a failed save was published: no pointer moved.
+    """
+
+    def __init__(self, phase: str, failures: dict[int, str], peer_lost: bool = False):
+        self.phase, self.failures, self.peer_lost = phase, dict(failures), peer_lost
+        ranks = ", ".join(str(r) for r in sorted(self.failures) if r >= 0) or "a peer"
+        detail = "; ".join(f"rank {r}: {m}" if r >= 0 else m for r, m in sorted(self.failures.items()))
+        hint = (" A rank died or stopped answering within the checkpoint timeout; the job should exit and be "
+                "restarted (torchrun --max-restarts, or your scheduler), resuming from the last generation.")
+        super().__init__(f"checkpoint {phase} failed on {ranks}: {detail[:2000]}. Nothing of it was published; "
+                         f"the previous generation stands." + (hint if peer_lost else ""))
+
+
 class StaleIterator(TrainStateError, RuntimeError):
     """An iterator used after a newer one replaced it (a loader iterated again, or restored)."""
 
@@ -245,3 +264,15 @@ class InsufficientSpace(TrainStateError, OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class StorageAccessDenied(TrainStateError, PermissionError):
+    """The object store refused the credentials or their permissions; the message names the bucket and setting."""
+
+
+class StorageNotFound(TrainStateError, FileNotFoundError):
+    """The bucket (or container) of a run URL does not exist at the endpoint used."""
+
+
+class StorageUnavailable(TrainStateError, ConnectionError):
+    """An object-store request kept failing after the client's bounded retries (5xx, timeouts, resets)."""

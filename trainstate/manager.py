@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from . import publish
 from .lifecycle import runs
@@ -26,6 +27,7 @@ from .format import signing
 from .format.manifest import parse_generation_name
 from .format.signing import SigningKey
 from .lifecycle import cadence as cadence_mod
+from .lifecycle import mirror as mirror_mod
 from .lifecycle.cadence import Cadence, Clock
 from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, Rehearsal, rehearse
@@ -34,10 +36,21 @@ from .records import GenerationInfo, RestoreInfo, Status
 from .restore import IN_PLACE_BYTES
 from .state.train_state import TrainState
 from .storage.base import Store
-from .storage.local import LocalStore
+from .storage.locate import open_store
 
 __all__ = ["Cadence", "CheckpointManager", "GenerationInfo", "IN_PLACE_BYTES", "RestoreInfo", "Status"]
 log = logging.getLogger("trainstate")
+
+
+def _session(process_group: Any, timeout_s: float) -> Any:
+    """Multi-rank mode when a process group is given or initialized; every rank builds the manager together."""
+    import torch.distributed as dist
+
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return None
+    from .distributed.session import Session  # DCP is imported only by multi-rank runs
+
+    return Session(process_group, timeout_s)
 
 
 class CheckpointManager:
@@ -48,31 +61,38 @@ class CheckpointManager:
     ...     ...
     ...     ckpt.save(state)             # returns once durable and published
 
-    ``keep_last`` full generations are kept (weights-only generations are
-    counted separately); ``retention=Retention(...)`` adds milestones, a
-    best-by-metric generation and a separate weights-only count, and pins
-    (:meth:`pin`) keep named generations. Pruning runs only after a new
-    generation has verified and the pointer has moved. ``digest`` names the
-    content hash (``"blake3"`` or ``"sha256"``). Every file's bytes are read
-    back and checked against their digest while its fsync runs, before the
-    rename; ``verify`` chooses the check after the rename: ``"fast"``
-    (default) checks the manifest's digest, the file set and every size,
-    ``"full"`` also re-reads and re-hashes every byte. ``rehearse`` (a
-    function returning a fresh :class:`TrainState`) additionally restores
-    every new full generation into fresh objects before its pointer moves.
-    ``signing_key`` (or ``TRAINSTATE_SIGNING_KEY``/``TRAINSTATE_SIGNING_KEY_FILE``
-    in the environment) signs every manifest and pointer with HMAC-SHA256, and
-    restore then refuses unsigned or forged generations. ``preflight`` checks
-    free space before staging (``headroom`` is the fraction of the estimated
-    size kept free beyond it). ``cadence=Cadence(mtbf_s=...)`` makes
-    :meth:`due` pick the save interval from measurements.
-    The manager holds an exclusive lock on the directory while open.
+    Retention: ``keep_last`` full generations (the run's recorded policy
+    when reopened), or ``retention=Retention(...)`` with milestones, a best
+    by metric and a weights-only count; pins (:meth:`pin`). ``digest``:
+    ``"blake3"`` or ``"sha256"``. ``verify`` after the rename: ``"fast"``
+    (manifest digest, file set, sizes; every byte was already read back
+    during its fsync) or ``"full"`` (re-hash everything). ``rehearse``: a
+    function returning a fresh :class:`TrainState`, restored into before each
+    new full generation's pointer moves. ``signing_key`` (or
+    ``TRAINSTATE_SIGNING_KEY[_FILE]``): HMAC-SHA256 of manifests and
+    pointers. ``preflight``/``headroom``: refuse before staging when the disk
+    is short. ``cadence=Cadence(mtbf_s=...)``: :meth:`due` picks the interval.
+    Under ``torch.distributed`` (an initialized default group, or
+    ``process_group=``) every method is collective and the generation is
+    sharded through ``torch.distributed.checkpoint``; checkpoint collectives
+    time out after ``collective_timeout_s``. The manager holds an exclusive
+    lock on the directory while open (rank 0, in a multi-rank run).
+    ``directory`` may be an object-store URL (``s3://``, ``gs://``, ``az://``;
+    ``storage_options`` for endpoint, region and keys); ``mirror=URL`` keeps
+    saves local and uploads each generation in the background (its own
+    ``mirror_options``, ``mirror_retention``; ``close`` waits up to
+    ``mirror_timeout_s`` for uploads), and ``restore`` takes the remote copy
+    when the local directory is empty or behind.
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
                  digest: str = "blake3", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
                  store: Store | None = None, rehearse: Factory | None = None, preflight: bool = True,
-                 headroom: float = 0.05, cadence: Cadence | None = None, max_in_flight: int = 1):
+                 headroom: float = 0.05, cadence: Cadence | None = None, max_in_flight: int = 1,
+                 process_group: Any = None, collective_timeout_s: float = 600.0,
+                 storage_options: dict[str, Any] | None = None, mirror: str | None = None,
+                 mirror_options: dict[str, Any] | None = None, mirror_retention: Retention | None = None,
+                 mirror_timeout_s: float = 600.0):
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise InvalidArgument(f"keep_last must be a positive int, got {keep_last!r}")
         if retention is not None and keep_last is not None:
@@ -80,7 +100,8 @@ class CheckpointManager:
         if retention is not None and not isinstance(retention, Retention):
             raise InvalidType(f"retention must be a trainstate.Retention, got {type(retention).__name__}")
         publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
-        self.store: Store = store if store is not None else LocalStore(directory, digest)
+        self.store: Store = store if store is not None else open_store(directory, digest,
+                                                                       storage_options=storage_options)
         self.key = signing.resolve(signing_key, directory)
         self.rehearse_factory = rehearse
         self.cadence = cadence
@@ -97,6 +118,9 @@ class CheckpointManager:
         self._origin: int | None = None  # where the cadence started counting (first due() call)
         self._writer = Writer(max_in_flight)
         weakref.finalize(self, report_at_exit, self._writer, str(directory))
+        self._session = _session(process_group, collective_timeout_s)  # multi-rank mode, or None
+        self._mirror = None if mirror is None else mirror_mod.attach(self, mirror, mirror_options, mirror_retention)
+        self.mirror_timeout_s = mirror_timeout_s
         self._started: str | None = None  # last generation prepared (captured at a boundary)
         self._staged: str | None = None  # last background save whose owned copy exists
         self._committed: str | None = None  # last generation published by this manager
@@ -107,6 +131,8 @@ class CheckpointManager:
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
+        if self._session is not None and self._session.rank != 0:
+            return self  # rank 0 holds the directory for the run
         try:
             self.store.lock()
         except ReadOnlyDirectory as exc:  # restore and inspection need no lock; a save raises this again
@@ -120,10 +146,14 @@ class CheckpointManager:
         """Finish every background save, release the directory, then raise any unreported failure."""
         try:
             self._writer.shutdown()
+            if self._session is not None:
+                self._session.barrier("close")  # every rank's background saves are finished
         except BaseException:  # interrupted (Ctrl-C): a save still being written keeps the directory locked
             if not self._writer.in_flight():
                 self.store.unlock()
             raise
+        if self._mirror is not None:
+            mirror_mod.finish(self._mirror, self.mirror_timeout_s)
         self.store.unlock()
         failed = self._writer.unreported()
         if failed:
@@ -134,19 +164,14 @@ class CheckpointManager:
              metrics: Mapping[str, float] | None = None, blocking: bool = True) -> GenerationInfo | SaveHandle:
         """Publish a generation of ``state``; returns once it is durable, verified and latest.
 
-        Refuses while gradients are pending (a backward pass since the last
-        optimizer step) unless ``include_grads=True``, which also saves them so
-        the accumulation resumes bitwise (keep your microbatch cursor in
-        ``state.counters``). ``metrics`` (finite numbers by name) are recorded
-        in the manifest; the retention policy's ``best`` metric reads them.
-        Raises :class:`InsufficientSpace` before writing anything when the
-        disk cannot hold the generation even after pruning what policy allows.
-
-        With ``blocking=False`` it returns a :class:`SaveHandle` as soon as an
-        owned copy of the whole state exists; the live objects may change at
-        once. At most ``max_in_flight`` saves run at a time (a further save
-        waits for one to finish). A background failure is raised once, by the
-        handle's ``wait()`` or else by the next ``save``, ``wait`` or ``close``.
+        Refuses while gradients are pending unless ``include_grads=True``
+        (which saves them too). ``metrics`` are recorded in the manifest for
+        the retention policy's ``best``. :class:`InsufficientSpace` is raised
+        before anything is written when the disk cannot hold the generation.
+        With ``blocking=False`` it returns a :class:`SaveHandle` once an owned
+        copy exists (the live objects may change at once); at most
+        ``max_in_flight`` saves run, and a background failure is raised once,
+        by ``handle.wait()`` or the next ``save``, ``wait`` or ``close``.
         """
         self._writer.raise_unreported()
         if not blocking and self.rehearse_factory is not None:
@@ -173,8 +198,11 @@ class CheckpointManager:
             self._writer.raise_unreported()  # one may have failed while we waited
             undo = state.parent, self._last_full_update
             pending = self._prepare(state, weights_only, include_grads, metrics)
-            pending.tensors = buffers.stage(pending.tensors)
-            self._writer.hand_off(ticket, pending.name, lambda: self._publish_or_roll_back(pending, state))
+            if self._session is not None:
+                self._session.stage(pending, buffers)
+            else:
+                pending.tensors = buffers.stage(pending.tensors)
+            self._writer.hand_off(ticket, pending.name, lambda: self._publish_or_roll_back(pending, state, True))
         except BaseException:
             if not self._writer.settle(ticket) and undo is not None:  # not handed off: nothing will publish
                 self._unprepare(state, undo)
@@ -190,10 +218,13 @@ class CheckpointManager:
 
     def _prepare(self, state: TrainState, weights_only: bool, include_grads: bool,
                  metrics: Mapping[str, float] | None) -> publish.Pending:
-        self.store.lock()  # before anything else: a vanished or read-only directory is named as such
-        self._check_same_run(state)
-        pending = publish.prepare(state, self.retention, weights_only=weights_only, include_grads=include_grads,
-                                  metrics=metrics)
+        if self._session is not None:
+            pending = self._session.prepare(self, state, weights_only, include_grads, metrics)
+        else:
+            self.store.lock()  # before anything else: a vanished or read-only directory is named as such
+            self._check_same_run(state)
+            pending = publish.prepare(state, self.retention, weights_only=weights_only, include_grads=include_grads,
+                                      metrics=metrics)
         self._started = pending.name
         if pending.kind == "full":
             self._last_full_update = state.next_update
@@ -220,10 +251,11 @@ class CheckpointManager:
         state.parent = None
         self._new_timelines.add(state.lineage[-1][0])
 
-    def _publish_or_roll_back(self, p: publish.Pending, state: TrainState) -> GenerationInfo:
+    def _publish_or_roll_back(self, p: publish.Pending, state: TrainState, background: bool = False
+                              ) -> GenerationInfo:
         """Publish; if that fails, the state again descends from what was actually published."""
         try:
-            info = self._publisher.publish(p)
+            info = self._session.publish(self, p, background) if self._session else self._publisher.publish(p)
         except BaseException:
             if self._publisher.published == p.name:  # interrupted after the pointer moved: it is published
                 self._committed = p.name
@@ -285,19 +317,10 @@ class CheckpointManager:
 
     def advice(self, mtbf_s: float | None = None) -> cadence_mod.Advice | None:
         """Young's and Daly's intervals from the measured save cost and update time (None until measured)."""
-        mtbf = mtbf_s if mtbf_s is not None else (self.cadence.mtbf_s if self.cadence else None)
-        save, step = self._clock.mean(self._clock.saves), self._clock.mean(self._clock.updates)
-        if mtbf is None or save is None or step is None:
-            return None
-        return cadence_mod.advise(save, mtbf, step, self.cadence.restart_s if self.cadence else 0.0)
+        return cadence_mod.measured_advice(self._clock, self.cadence, mtbf_s)
 
     def _interval(self) -> int | None:
-        advice = self.advice()
-        if advice is None:
-            return None
-        updates = advice.daly_updates if self.cadence.model == "daly" else advice.young_updates
-        updates = max(updates, self.cadence.min_updates)
-        return updates if self.cadence.max_updates is None else min(updates, self.cadence.max_updates)
+        return cadence_mod.interval(self._clock, self.cadence)
 
     def status(self) -> Status:
         """The recovery point (where a restore would resume), weights-only latest, pins, best, measurements."""
@@ -308,7 +331,8 @@ class CheckpointManager:
                       self._clock.saves[-1] if self._clock.saves else None, self._clock.mean(self._clock.saves),
                       self._clock.mean(self._clock.updates), self._interval() if self.cadence else None,
                       self._started, self._staged, self._committed, self._writer.in_flight(),
-                      tuple(self._writer.unreported()))
+                      tuple(self._writer.unreported()),
+                      self._mirror.status(full and parse_generation_name(full)[0]) if self._mirror else None)
 
     # restoring ---------------------------------------------------------------
     def restore(self, state: TrainState, *, generation: str | None = None, allow_changes: Iterable[str] = (),
@@ -330,13 +354,21 @@ class CheckpointManager:
         state, briefly).
         """
         self._writer.drain()  # a background save in flight publishes first
+        if self._mirror is not None and generation is None:
+            self._mirror.pull()  # the remote copy, when the local directory is empty or behind
         try:
-            info, self.last_rejections = restore_mod.restore(
-                self.store, state, key=self.key, generation=generation, allow_changes=allow_changes,
-                statistical_cuda=rng_statistical_cuda, in_place=in_place)
+            if self._session is not None:  # the sharded part loads in place through DCP
+                info, self.last_rejections = self._session.restore(self, state, generation, allow_changes,
+                                                                   rng_statistical_cuda)
+            else:
+                info, self.last_rejections = restore_mod.restore(
+                    self.store, state, key=self.key, generation=generation, allow_changes=allow_changes,
+                    statistical_cuda=rng_statistical_cuda, in_place=in_place)
         except NoValidGeneration as exc:
             self.last_rejections = tuple(exc.rejections)
             raise
+        if self._mirror is not None and info is not None:
+            self._mirror.restored(info.generation.name)  # uploaded, if an earlier process stopped before it was
         return info
 
     # inspection --------------------------------------------------------------

@@ -28,7 +28,7 @@ import datetime
 import logging
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,7 @@ class Publisher:
         self.preflight = preflight
         self.headroom = headroom
         self.published: str | None = None  # the last generation whose pointer move completed
+        self.after_publish: Callable[[str], None] | None = None  # told each published name (a mirror's uploader)
 
     def publish(self, p: Pending) -> GenerationInfo:
         """Publish ``p``: durable, verified and named by its pointer when this returns.
@@ -182,6 +183,8 @@ class Publisher:
         try:  # published: a failure from here on is logged, never raised as a failed save
             if superseded is not None:
                 self.store.remove(superseded)
+            if self.after_publish is not None:
+                self.after_publish(p.name)
             self.prune({p.kind: p.name})
         except Exception as exc:
             log.error("%s is published, but cleaning up after it failed (%r); the next save retries", p.name, exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import FieldChange, Rejection
 from .storage.base import Store
@@ -51,7 +52,8 @@ class Status:
     ``recovery_point`` is the full generation a restart would resume from:
     the one ``latest`` names, or, when that one is damaged, the newest that
     verifies (judged by structure; ``trainstate verify`` reads every byte). Weights-only generations never count as
-    restart protection; ``latest_weights`` is reported on its own.
+    restart protection; ``latest_weights`` is reported on its own. With a mirror, ``mirror`` says what the
+    remote ``latest`` names (the only remote protection), the lag behind local, and what is uploading.
     """
 
     directory: str
@@ -70,3 +72,4 @@ class Status:
     last_committed: str | None = None  # published (pointer moved) by this manager
     in_flight: int = 0
     unreported_failures: tuple[str, ...] = ()
+    mirror: Any = None  # a lifecycle.mirror.MirrorStatus when the manager mirrors to a remote store

@@ -293,6 +293,10 @@ def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | Non
     verified = verify_generation(store, name, pointer, content=False, key=key)
     manifest = verified.manifest
     check_run(manifest, run)
+    if manifest.ranks:
+        raise StateMismatch(
+            f"{name} was written by {manifest.world_size} ranks (torch.distributed): restore it under torchrun, "
+            "where the manager runs collectively (a different world size needs allow_changes=['world_size'])")
     if preview is None:
         preview = sum(f.size for f in manifest.files if f.name.endswith(".safetensors")) > IN_PLACE_BYTES
     return verified, decode_verified(store, manifest, preview=preview), preview

@@ -94,12 +94,24 @@ def warm_start(source: str | Path, module: torch.nn.Module, *, component: str = 
         try:
             verified, state = load_verified(store, name, component=component, key=key)
         except CorruptGeneration as exc:
+            if _multi_rank(store, name):
+                raise StateMismatch(f"{name} was written by several ranks: its weights are sharded; warm start "
+                                    "under torchrun with CheckpointManager.restore(state, generation=...), or "
+                                    "export the weights first") from exc
             rejected.append(Rejection(name, str(exc)))
             continue
         if type(state) is not dict or not isinstance(state.get("state"), Mapping):
             raise StateMismatch(f"component {component!r} in {name} is not a module's state dict")
         return _load(module, state["state"], GenerationInfo.from_verified(store, verified), strict)
     raise NoValidGeneration(str(source), rejected)
+
+
+def _multi_rank(store: LocalStore, name: str) -> bool:
+    try:
+        from .storage.verify import read_manifest
+        return bool(read_manifest(store, name)[0].ranks)
+    except (CorruptGeneration, OSError):
+        return False
 
 
 def _load(module: torch.nn.Module, saved: Mapping[str, Any], info: GenerationInfo, strict: bool) -> WarmStartInfo:

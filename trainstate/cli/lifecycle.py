@@ -15,16 +15,15 @@ from ..lifecycle import cadence as cadence_mod
 from ..format import signing
 from ..errors import InvalidArgument, TrainStateError
 from ..lifecycle.generations import Lifecycle
-from ..storage.local import LocalStore
+from ..storage.base import Store
+from ..storage.locate import open_existing
 from ..format.manifest import generation_name, parse_generation_name
 from ..lifecycle.retention import Retention, plan
 from ..storage.verify import read_manifest
 
 
-def _lifecycle(directory: str) -> tuple[LocalStore, Lifecycle]:
-    store = LocalStore(directory, create=False)
-    if not store.root.is_dir():
-        raise FileNotFoundError(f"{directory} is not a directory")
+def _lifecycle(directory: str) -> tuple[Store, Lifecycle]:
+    store = open_existing(directory)
     return store, Lifecycle(store, signing.resolve(None, store.location))
 
 

@@ -14,10 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import cost as cli_cost
 from . import lifecycle as cli_lifecycle
 from ..format import signing
 from ..errors import CorruptGeneration, InvalidArgument, TrainStateError
-from ..storage.local import LocalStore
+from ..storage.base import Store
+from ..storage.locate import open_existing, split_generation
+from ..storage.objectclient import is_url
 from ..format.signing import SigningKey
 from ..format.manifest import POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
 from ..lifecycle.generations import Lifecycle
@@ -34,17 +37,16 @@ restore, so it is safe to point at a directory you do not trust. Each takes
 """
 
 
-def _open_target(target: str) -> tuple[LocalStore, list[str], bool]:
-    """A run directory (all generations) or a single generation directory."""
-    path = Path(target)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{target} is not a directory")
-    if parse_generation_name(path.name):
-        return LocalStore(path.parent, create=False), [path.name], True
-    return LocalStore(path, create=False), LocalStore(path, create=False).generations(), False
+def _open_target(target: str) -> tuple[Store, list[str], bool]:
+    """A run (directory or URL; all generations) or a single generation in one."""
+    run, generation = split_generation(target)
+    if generation is not None and (is_url(target) or Path(target).is_dir()):
+        return open_existing(run), [generation], True
+    store = open_existing(target)
+    return store, store.generations(), False
 
 
-def _pointers(store: LocalStore, key: SigningKey | None) -> dict[str, dict[str, Any]]:
+def _pointers(store: Store, key: SigningKey | None) -> dict[str, dict[str, Any]]:
     out = {}
     for name in (POINTER, WEIGHTS_POINTER):
         try:
@@ -119,7 +121,7 @@ _ASIDE_WHY = {"rejected": "damaged, kept as evidence", "abandoned": "a timeline 
 
 def cmd_discard(args: argparse.Namespace) -> int:
     """Delete set-aside generations after review (never a generation restore could use)."""
-    store = LocalStore(args.directory, create=False)
+    store = open_existing(args.directory)
     aside = store.aside()
     names = [n for n in aside if ".superseded-" not in n] if args.all else list(args.names)
     unknown = [n for n in names if n not in aside or ".superseded-" in n]
@@ -289,7 +291,13 @@ def _print_tree(node: Any, indent: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(directory=args.dir, seed=args.seed, kills=args.kills, json_output=args.json)
+    if args.ranks is not None:
+        from .demo import RANKS_KILLS, run_ranks_demo
+
+        return run_ranks_demo(args.ranks, directory=args.dir, seed=args.seed,
+                              kills=RANKS_KILLS if args.kills is None else args.kills, json_output=args.json)
+    return run_demo(directory=args.dir, seed=args.seed, kills=6 if args.kills is None else args.kills,
+                    json_output=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train, SIGKILL at random moments, resume, and compare bitwise")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed after)")
     p.add_argument("--seed", type=int, default=None, help="seed for the kill schedule (default: random)")
-    p.add_argument("--kills", type=int, default=6, help="how many SIGKILLs to deliver")
+    p.add_argument("--kills", type=int, default=None, help="how many SIGKILLs to deliver (default: 6; with --ranks, 2)")
+    p.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help="run the drill under torchrun with N ranks (FSDP2 over gloo); each kill takes down the launch")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("discard", help="delete set-aside (rejected or abandoned) generations after review")
     p.add_argument("directory")
@@ -320,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every rejected and abandoned entry")
     p.set_defaults(func=cmd_discard)
     cli_lifecycle.register(sub)
+    cli_cost.add_parser(sub)
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(broken_pipe_status=0)

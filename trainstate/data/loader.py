@@ -197,6 +197,7 @@ class ResumableLoader:
         self.on_mismatch = on_mismatch
         self.epoch = 0
         self.cursor = 0
+        self.start = 0  # global offset into this epoch's order where this run's batches begin (after a reshard)
         self.samples_seen = 0
         self.tokens_seen = 0
         self.last_ids: np.ndarray | None = None  # sample ids of the batch last handed out
@@ -226,8 +227,9 @@ class ResumableLoader:
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The sample ids of every batch of ``epoch`` on this rank (no data is loaded)."""
-        if self._cache is None or self._cache[0] != epoch:
-            self._cache = (epoch, self.plan.batches(epoch))
+        start = self.start if epoch == self.epoch else 0
+        if self._cache is None or self._cache[0] != (epoch, start):
+            self._cache = ((epoch, start), self.plan.batches(epoch, start))
         return self._cache[1]
 
     def __iter__(self) -> Iterator[Any]:
@@ -262,7 +264,7 @@ class ResumableLoader:
                 self.tokens_seen += int(self.count_tokens(batch))
             self.last_ids = ids
             if self.cursor == len(batches):
-                self.epoch, self.cursor = epoch + 1, 0
+                self.epoch, self.cursor, self.start = epoch + 1, 0, 0
             self._note_global_draws()
             yield batch
         if self._active is token and self.epoch == epoch:
@@ -299,9 +301,12 @@ class ResumableLoader:
         return self.plan.as_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "samples_seen": self.samples_seen,
-                "tokens_seen": self.tokens_seen, "plan": self.plan.as_dict(), "next_batch": self.next_batch(),
-                "worker_global_draws": self._global_draws()}
+        saved = {"epoch": self.epoch, "cursor": self.cursor, "samples_seen": self.samples_seen,
+                 "tokens_seen": self.tokens_seen, "plan": self.plan.as_dict(), "next_batch": self.next_batch(),
+                 "worker_global_draws": self._global_draws()}
+        if self.start:  # only after a reshard to another world size, mid-epoch
+            saved["start"] = self.start
+        return saved
 
     def check_state_dict(self, saved: Any) -> None:
         """Raise :class:`DataMismatch` if ``saved`` cannot be this loader's position; changes nothing."""
@@ -317,8 +322,12 @@ class ResumableLoader:
                 "the data plan differs from the checkpoint's, so its position would name other samples: "
                 + "; ".join(changed) + ". Construct the loader with the saved values to resume; a deliberate "
                 "change needs a new run (warm_start the weights).")
-        if saved["cursor"] >= len(self):
-            raise DataMismatch(f"cursor {saved['cursor']} is not below the {len(self)} batches per epoch")
+        start = saved.get("start", 0)
+        if type(start) is not int or not 0 <= start < self.plan.dataset_len:
+            raise DataMismatch(f"malformed epoch start {start!r:.40}")
+        batches = len(self.plan.batches(saved["epoch"], start)) if start else len(self)
+        if saved["cursor"] >= batches:
+            raise DataMismatch(f"cursor {saved['cursor']} is not below the {batches} batches of the epoch")
         expected = saved.get("next_batch")
         if type(expected) is not dict or (expected.get("epoch"), expected.get("cursor")) != (
                 saved["epoch"], saved["cursor"]):
@@ -326,7 +335,7 @@ class ResumableLoader:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.check_state_dict(saved)
-        self.epoch, self.cursor = saved["epoch"], saved["cursor"]
+        self.epoch, self.cursor, self.start = saved["epoch"], saved["cursor"], saved.get("start", 0)
         self.samples_seen, self.tokens_seen = saved["samples_seen"], saved["tokens_seen"]
         self._expected = dict(saved["next_batch"])
         self._active = None
@@ -336,6 +345,54 @@ class ResumableLoader:
         workers = self.loader.num_workers
         self._resumed_mid_stream = bool(workers) and (self.cursor > 0 or self.loader.persistent_workers)
         self._note_global_draws()
+
+    def resharded_state(self, saved: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+        """This loader's state continuing a run saved at another world size, and what continues inexactly.
+
+        ``saved`` holds every old rank's state. All ranks consumed the same
+        number of batches of the same epoch, so the samples consumed are a
+        prefix of the epoch's global order; the returned state continues it
+        from there, sharded over this loader's world size. Exact when the
+        global batch size (per-rank batch size times world size) is
+        unchanged: the same samples in the same order, grouped into the same
+        updates. Otherwise the samples still come in the same order, grouped
+        into updates of another size. Changes nothing; ``load_state_dict``
+        applies it.
+        """
+        if not saved or not all(type(s) is dict for s in saved):
+            raise DataMismatch("no saved loader positions to reshard from")
+        plans = [s.get("plan") for s in saved]
+        fixed = ("dataset_len", "seed", "shuffle", "drop_last", "uneven", "algorithm")
+        live = self.plan.as_dict()
+        for plan in plans:
+            changed = [k for k in fixed if type(plan) is not dict or plan.get(k) != live[k]]
+            if changed:
+                raise DataMismatch("the data plan differs from the checkpoint's beyond the world size and batch "
+                                   f"size ({', '.join(changed)}): its position would name other samples")
+        try:
+            positions = {(s["epoch"], s["cursor"], s.get("start", 0)) for s in saved}
+            samples, tokens = sum(s["samples_seen"] for s in saved), sum(s["tokens_seen"] for s in saved)
+        except (KeyError, TypeError):
+            raise DataMismatch("not ResumableLoader states") from None
+        if len(positions) != 1:
+            raise DataMismatch(f"the saved ranks stopped at different positions {sorted(positions)}")
+        (epoch, cursor, start), = positions
+        old_world, old_batch = plans[0]["world_size"], plans[0]["batch_size"]
+        consumed = start + cursor * old_batch * old_world
+        epoch, start = (epoch, consumed) if consumed < self.plan.dataset_len else (epoch + 1, 0)
+        ids = self.plan.batches(epoch, start)[0]
+        state = {"epoch": epoch, "cursor": 0, "samples_seen": samples // self.plan.world_size,
+                 "tokens_seen": tokens // self.plan.world_size, "plan": live,
+                 "next_batch": {"epoch": epoch, "cursor": 0, "size": len(ids), "ids_digest": ids_digest(epoch, 0, ids)},
+                 "worker_global_draws": any(s.get("worker_global_draws") for s in saved)}
+        if start:
+            state["start"] = start
+        notes = []
+        if old_batch * old_world != self.plan.batch_size * self.plan.world_size:
+            notes.append(f"the global batch size changed from {old_batch * old_world} ({old_world} x {old_batch}) to "
+                         f"{self.plan.batch_size * self.plan.world_size}: the samples continue in the same order, "
+                         "grouped into updates of another size")
+        return state, notes
 
     # checks ------------------------------------------------------------------
     def _check_expected(self, epoch: int, cursor: int, ids: np.ndarray) -> None:

@@ -96,18 +96,24 @@ class Plan:
         per_rank = self.shard_size()
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
-    def shard(self, epoch: int) -> np.ndarray:
-        """This rank's sample indices for ``epoch``, in reading order."""
-        order = epoch_order(self.dataset_len, self.seed, epoch, self.shuffle)
-        total = self.shard_size() * self.world_size
+    def shard(self, epoch: int, start: int = 0) -> np.ndarray:
+        """This rank's sample indices for ``epoch``, in reading order.
+
+        ``start`` skips the first samples of the epoch's global order: a run
+        resharded to another world size mid-epoch continues the same order
+        from the samples the old ranks consumed.
+        """
+        order = epoch_order(self.dataset_len, self.seed, epoch, self.shuffle)[start:]
+        n, w = len(order), self.world_size
+        total = (-(-n // w) if self.uneven == "pad" else n // w) * w
         if total > len(order):  # pad, as DistributedSampler does, repeating from the start
             order = np.resize(order, total) if len(order) else order
         return order[self.rank:total:self.world_size]
 
-    def batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's batches for ``epoch``: ``batches_per_epoch()`` arrays of sample indices."""
-        shard = self.shard(epoch)
-        count = self.batches_per_epoch()
+    def batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
+        """This rank's batches for ``epoch``: ``batches_per_epoch()`` arrays of sample indices (fewer after ``start``)."""
+        shard = self.shard(epoch, start)
+        count = len(shard) // self.batch_size if self.drop_last else -(-len(shard) // self.batch_size)
         return [shard[i * self.batch_size:(i + 1) * self.batch_size] for i in range(count)]
 
 

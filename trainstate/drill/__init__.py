@@ -17,6 +17,7 @@ shell all run the same thing:
       step <n>              after each update
       saving <n>            right before ckpt.save
       saved <n>             right after it returns
+      uploaded <n>          with --mirror URL: the remote latest reached update n
       done <n>
 
   With ``--loader-workers W`` the batches come from a ``ts.ResumableLoader``
@@ -32,6 +33,9 @@ shell all run the same thing:
   ``saving`` line so that they land inside the save. After every kill it
   checks that every visible generation verifies in full and predicts which
   generation the next start must restore; the next start must report it.
+  With a mirror it checks the remote copy after every kill too, and can
+  delete the local directory after chosen kills (a lost instance), so that
+  the next start resumes from the remote alone.
 
 Workers start either as fresh interpreters (:class:`Spawner`) or forked from
 a process that imported torch once (:class:`Zygote`); both are real
@@ -55,6 +59,7 @@ from .driver import (
     KillPlan,
     Start,
     Timing,
+    check_remote,
     check_visible,
     expected_restore,
     plan_kills,
@@ -90,6 +95,7 @@ from .worker import (
     train_step,
     worker_main,
 )
+from .surroundings import MIRROR_OPTIONS_ENV, mirror_options
 
 __all__ = [
     'DRAWS_FILE',
@@ -97,6 +103,7 @@ __all__ = [
     'IDS_LOG',
     'IN_FEATURES',
     'LOADER_LOG',
+    'MIRROR_OPTIONS_ENV',
     'OUT_FEATURES',
     'RESTORE_WINDOW_S',
     'Comparison',
@@ -114,6 +121,7 @@ __all__ = [
     'build',
     'build_loader',
     'build_model',
+    'check_remote',
     'check_visible',
     'compare_consumed',
     'compare_runs',
@@ -121,6 +129,7 @@ __all__ = [
     'dataset_size',
     'describe_compared',
     'expected_restore',
+    'mirror_options',
     'next_draws',
     'plan_kills',
     'probe',

@@ -19,6 +19,10 @@ on while the generation is written, and ``saved <n>`` once it sees that save
 published (see :class:`_AsyncSaver`). ``--slow-fsync MS`` slows every file
 fsync, as a slow disk would, so that saves overlap several updates. Neither
 is part of the contract: such a run must end bitwise equal to a blocking one.
+
+With ``--mirror URL`` the manager uploads every generation to that object
+store (``mirror=``; options from :func:`mirror_options`) and the worker prints
+``uploaded <n>`` when the remote ``latest`` reaches update ``n``.
 """
 from __future__ import annotations
 
@@ -30,7 +34,6 @@ import math
 import os
 import random
 import sys
-import time
 import zlib
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -44,7 +47,8 @@ from ..state import snapshot
 from ..errors import InvalidArgument, TrainStateError
 from ..asyncsave import SaveHandle
 from ..data.loader import ResumableLoader
-from ..storage.local import LocalStore, PosixOps
+from ..storage.local import LocalStore
+from .surroundings import SlowFsync, Uploads, mirror_options
 from ..manager import CheckpointManager
 from ..format.manifest import generation_name
 from ..data.samplerng import sample_generator
@@ -84,6 +88,7 @@ class DrillConfig:
     # slower disk (every file fsync takes this many milliseconds longer) so saves overlap training.
     async_save: bool = False
     slow_fsync_ms: int = 0
+    mirror: str | None = None  # an object-store URL the manager mirrors every generation to (mirror=)
 
     def __post_init__(self) -> None:
         for name in ("total", "every", "width", "batch"):
@@ -95,11 +100,14 @@ class DrillConfig:
             raise InvalidArgument(f"DrillConfig.async_save must be a bool, got {self.async_save!r}")
         if type(self.slow_fsync_ms) is not int or self.slow_fsync_ms < 0:
             raise InvalidArgument(f"DrillConfig.slow_fsync_ms must be an int >= 0, got {self.slow_fsync_ms!r}")
+        if self.mirror is not None and not isinstance(self.mirror, str):
+            raise InvalidArgument(f"DrillConfig.mirror must be None or a URL, got {self.mirror!r}")
 
     def argv(self) -> list[str]:
         loader = [] if self.loader_workers is None else ["--loader-workers", str(self.loader_workers)]
         saving = (["--async-save"] if self.async_save else []) + (
-            ["--slow-fsync", str(self.slow_fsync_ms)] if self.slow_fsync_ms else [])
+            ["--slow-fsync", str(self.slow_fsync_ms)] if self.slow_fsync_ms else []) + (
+            ["--mirror", self.mirror] if self.mirror else [])
         return ["--total", str(self.total), "--every", str(self.every), "--seed", str(self.seed),
                 "--width", str(self.width), "--batch", str(self.batch), *loader, *saving]
 
@@ -107,7 +115,7 @@ class DrillConfig:
         """The experiment contract. Without a loader exactly as before; the worker count is not part of it
         (index-addressed augmentation makes the data independent of it), nor is how the worker saves."""
         config = asdict(self)
-        del config["loader_workers"], config["async_save"], config["slow_fsync_ms"]
+        del config["loader_workers"], config["async_save"], config["slow_fsync_ms"], config["mirror"]
         if self.loader_workers is None:
             return {"config": config}
         return {"config": config, "data": {"dataset": "drill-synthetic-v1", "samples": dataset_size(self)}}
@@ -349,10 +357,14 @@ def _say(line: str) -> None:
     sys.stdout.flush()  # the parent times its kills by these lines
 
 
-def _save(ckpt: CheckpointManager, state: TrainState) -> None:
-    _say(f"saving {state.next_update}")
-    ckpt.save(state)
-    _say(f"saved {state.next_update}")
+def _save(ckpt: CheckpointManager, state: TrainState, saver: _AsyncSaver | None, uploads: Uploads) -> None:
+    if saver is not None:
+        saver.save(state)
+    else:
+        _say(f"saving {state.next_update}")
+        ckpt.save(state)
+        _say(f"saved {state.next_update}")
+    uploads.wanted(state.next_update)
 
 
 class _AsyncSaver:
@@ -387,17 +399,6 @@ class _AsyncSaver:
         self.poll(block=True)
 
 
-class _SlowFsync(PosixOps):
-    """``--slow-fsync MS``: a slower disk, every file fsync taking MS milliseconds longer (then the real one)."""
-
-    def __init__(self, delay_s: float):
-        self.delay_s = delay_s
-
-    def fsync(self, fd: int) -> None:
-        time.sleep(self.delay_s)
-        super().fsync(fd)
-
-
 def _write_json(path: Path, value: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
@@ -408,7 +409,8 @@ def worker_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     cfg = DrillConfig(args.total, args.every, args.seed, args.width, args.batch, args.loader_workers,
-                      bool(getattr(args, "async_save", False)), getattr(args, "slow_fsync_ms", 0) or 0)
+                      bool(getattr(args, "async_save", False)), getattr(args, "slow_fsync_ms", 0) or 0,
+                      getattr(args, "mirror", None))
     state = build(cfg, args.dir)
     loader: ResumableLoader | None = state.components.get("loader")
     fresh = _fresh_states(state) if args.forget else None
@@ -419,16 +421,19 @@ def worker_main(args: argparse.Namespace) -> int:
         _say("ready")
         if sys.stdin.readline().strip() != "go":
             return 3
-    slow = {"store": LocalStore(args.dir, ops=_SlowFsync(cfg.slow_fsync_ms / 1000))} if cfg.slow_fsync_ms else {}
-    with CheckpointManager(args.dir, keep_last=args.keep_last, **slow) as ckpt:
+    slow = {"store": LocalStore(args.dir, ops=SlowFsync(cfg.slow_fsync_ms / 1000))} if cfg.slow_fsync_ms else {}
+    mirror = {} if cfg.mirror is None else {"mirror": cfg.mirror, "mirror_options": mirror_options()}
+    with CheckpointManager(args.dir, keep_last=args.keep_last, **slow, **mirror) as ckpt:
         saver = _AsyncSaver(ckpt) if cfg.async_save else None
         info = ckpt.restore(state)
+        uploads = Uploads(ckpt if cfg.mirror else None, _say)
         if info is None:
             _say("fresh")
         else:
             rejected = ",".join(r.generation for r in info.rejected) or "-"
             _say(f"restored {info.generation.name} next_update={state.next_update} rejected={rejected} "
                  f"identical={int(info.identical_continuation)}")
+            uploads.wanted(state.next_update)
             if fresh is not None:
                 _forget(state, args.forget, fresh)
         batches = ids_log = None
@@ -446,18 +451,14 @@ def worker_main(args: argparse.Namespace) -> int:
             _say(f"step {state.next_update}")
             if saver is not None:
                 saver.poll()
+            uploads.poll()
             if state.next_update % cfg.every == 0:
-                if saver is None:
-                    _save(ckpt, state)
-                else:
-                    saver.save(state)
+                _save(ckpt, state, saver, uploads)
         if state.parent != generation_name(state.next_update):
-            if saver is None:
-                _save(ckpt, state)
-            else:
-                saver.save(state)
+            _save(ckpt, state, saver, uploads)
         if saver is not None:
             saver.finish()  # the final generation is published before the probe below
+    uploads.poll()  # close waited for the uploads
     draws = next_draws(state)
     record: dict[str, Any] = {"next_update": state.next_update, "draws": draws}
     if loader is not None:

@@ -88,13 +88,17 @@ class Manifest:
     retention: dict = field(default_factory=dict)  # the policy in force when saved (read by `trainstate prune`)
     lineage: list = field(default_factory=list)  # timelines: [[id, last update inherited or None], ...]
     run: str = ""  # the identity of the run directory it was published into (see RUN); "" before format 2
+    world_size: int = 1  # ranks that wrote it; omitted for a single process
+    ranks: list = field(default_factory=list)  # per rank, the files it wrote (multi-rank generations)
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
         data["files"] = [asdict(f) for f in self.files]
-        for optional in ("data", "metrics", "retention", "lineage", "run"):
+        for optional in ("data", "metrics", "retention", "lineage", "run", "ranks"):
             if not data[optional]:
                 del data[optional]
+        if data["world_size"] == 1 and "ranks" not in data:
+            del data["world_size"]
         data["self_digest"] = _self_digest(data, self.digest_algorithm)
         if key is not None:
             data["signature"] = key.sign(data)
@@ -187,7 +191,8 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         "format": str, "format_version": int, "generation": str, "kind": str, "next_update": int,
         "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
         "versions": dict, "parent": (str, type(None)), "self_digest": str,
-    }, {"signature": str, "data": dict, "metrics": dict, "retention": dict, "lineage": list, "run": str})
+    }, {"signature": str, "data": dict, "metrics": dict, "retention": dict, "lineage": list, "run": str,
+        "world_size": int, "ranks": list})
     _check_common(where, raw, "trainstate")
     if "run" in raw and not _HEX_RE.fullmatch(raw["run"]):
         raise CorruptGeneration(where, "malformed run identity")
@@ -215,9 +220,20 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         files.append(FileRecord(item["name"], item["size"], item["digest"]))
     if len({f.name for f in files}) != len(files) or STATE not in {f.name for f in files}:
         raise CorruptGeneration(where, f"file list must be unique and include {STATE}")
+    _check_ranks(where, raw, {f.name for f in files})
     del raw["format"], raw["self_digest"]
     raw.pop("signature", None)
     return Manifest(**{**raw, "files": tuple(files)})
+
+
+def _check_ranks(where: str, raw: dict, files: set[str]) -> None:
+    """A multi-rank manifest: ``world_size`` ranks, each listing files the manifest lists."""
+    world, ranks = raw.get("world_size", 1), raw.get("ranks", [])
+    if not 1 <= world <= 1 << 20 or (world > 1 and not ranks) or (ranks and len(ranks) != world):
+        raise CorruptGeneration(where, f"world_size {world!r:.20} and the per-rank file lists disagree")
+    for listed in ranks:
+        if type(listed) is not list or not all(type(f) is str and f in files for f in listed):
+            raise CorruptGeneration(where, "a per-rank file list names files the manifest does not list")
 
 
 _DATA_FIELDS = {"epoch": int, "cursor": int, "batches_per_epoch": int, "samples_seen": int, "tokens_seen": int,

@@ -102,8 +102,8 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach().resolve_conj().resolve_neg()
     carrier = _CARRIERS.get(tensor.element_size())
     flat = (tensor.view(carrier) if carrier is not None else tensor).reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    if not flat.is_contiguous() or flat.stride(-1) != 1:  # a one-element slice is "contiguous" at any stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 

@@ -145,3 +145,22 @@ class Clock:
     @staticmethod
     def mean(values: list[float]) -> float | None:
         return sum(values) / len(values) if values else None
+
+
+def measured_advice(clock: Clock, cadence: Cadence | None, mtbf_s: float | None = None) -> Advice | None:
+    """Young's and Daly's intervals from ``clock``'s measurements (``None`` until a save and an update are measured)."""
+    mtbf = mtbf_s if mtbf_s is not None else (cadence.mtbf_s if cadence else None)
+    save, step = clock.mean(clock.saves), clock.mean(clock.updates)
+    if mtbf is None or save is None or step is None:
+        return None
+    return advise(save, mtbf, step, cadence.restart_s if cadence else 0.0)
+
+
+def interval(clock: Clock, cadence: Cadence | None) -> int | None:
+    """The save interval in updates the cadence puts in force now, within its bounds (``None`` until measured)."""
+    advice = measured_advice(clock, cadence)
+    if advice is None:
+        return None
+    updates = advice.daly_updates if cadence.model == "daly" else advice.young_updates
+    updates = max(updates, cadence.min_updates)
+    return updates if cadence.max_updates is None else min(updates, cadence.max_updates)

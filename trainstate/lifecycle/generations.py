@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..errors import CorruptGeneration, GenerationNotFound, InvalidArgument, PinNotFound
 from ..format.manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, parse_generation_name, parse_pins,
@@ -43,6 +43,7 @@ class Lifecycle:
     def __init__(self, store: Store, key: SigningKey | None = None):
         self.store = store
         self.key = key
+        self.hold: Callable[[], set[str]] | None = None  # generations pruning must keep (a mirror not yet there)
 
     # pins --------------------------------------------------------------------
     def pins(self) -> dict[str, str]:
@@ -205,6 +206,10 @@ class Lifecycle:
                 for decision in decided.decisions:
                     if decision.left_for_a_human:
                         log.warning("kept %s: %s", decision.generation, "; ".join(decision.reasons))
+                held = self.hold() if self.hold is not None else set()
                 for name in decided.prune:
+                    if name in held:
+                        log.info("kept %s: its mirror upload is not complete yet", name)
+                        continue
                     self.store.remove(name)
         return decided

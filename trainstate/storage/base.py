@@ -33,6 +33,7 @@ from ..format.manifest import FileRecord
 
 class Staging(Protocol):
     generation: str
+    name: str  # what another process passes to ``Store.join`` to write into this staging area
 
     def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False) -> FileRecord:
         """Write one file from ``chunks``; return its size and digest once durable.
@@ -68,6 +69,13 @@ class Store(Protocol):
         """The pointer's bytes, or ``None`` when there is no pointer."""
 
     def begin(self, generation: str) -> Staging: ...
+
+    def join(self, generation: str, staging: str) -> Staging:
+        """The staging area another process began (``Staging.name``), to add this process's files to it.
+
+        Multi-rank saves: every rank writes its files into rank 0's staging
+        area, and only rank 0 commits.
+        """
 
     def write_pointer(self, name: str, data: bytes) -> None: ...
 

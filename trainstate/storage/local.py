@@ -79,13 +79,22 @@ def _token() -> str:
 class LocalStaging:
     """A staging directory for one generation; see the module docstring."""
 
-    def __init__(self, store: LocalStore, generation: str):
+    def __init__(self, store: LocalStore, generation: str, joined: str | None = None):
         self.generation = generation
         self._store = store
         self._ops = store.ops
-        self.path = store.root / f"{_PREFIX}staging-{generation}-{_token()}"
-        self._ops.mkdir(self.path)
-
+        if joined is None:
+            self.path = store.root / f"{_PREFIX}staging-{generation}-{_token()}"
+            self._ops.mkdir(self.path)
+        else:  # another rank's staging directory, on a filesystem the ranks share
+            if not re.fullmatch(rf"{re.escape(_PREFIX)}staging-{re.escape(generation)}-[0-9a-f]{{16}}", joined):
+                raise ValueError(f"{joined!r} is not a staging directory of {generation}")
+            self.path = store.root / joined
+            if not self.path.is_dir():
+                raise FileNotFoundError(
+                    f"{self.path} (created by rank 0) is not visible here: every rank must see the run directory "
+                    "on one shared filesystem")
+        self.name = self.path.name
     def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False) -> FileRecord:
         hasher = new_hasher(self._store.digest_algorithm)
         fd = self._ops.create(self.path / file)
@@ -231,6 +240,10 @@ class LocalStore:
     # writing -----------------------------------------------------------------
     def begin(self, generation: str) -> LocalStaging:
         return LocalStaging(self, generation)
+
+    def join(self, generation: str, staging: str) -> LocalStaging:
+        """The staging directory ``staging`` another rank began, to write this rank's files into."""
+        return LocalStaging(self, generation, staging)
 
     def write_pointer(self, name: str, data: bytes) -> None:
         ops = self.ops

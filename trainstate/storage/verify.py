@@ -138,7 +138,7 @@ def check_state_schema(state: dict, where: str, kind: str, next_update: int) -> 
     check_version(where, state.get("format_version"))
     need(state.get("kind") == kind, f"kind differs from the manifest's {kind!r}")
     expected = {"format", "format_version", "kind", "clocks", "counters", "facts", "components", "contract", "history"}
-    optional = {"rng", "pending_gradients", "grads"} if kind == "full" else set()
+    optional = ({"rng", "pending_gradients", "grads"} if kind == "full" else set()) | {"sharded"}
     need(expected <= set(state) <= expected | optional, f"fields {sorted(state)!r:.200} are not those of a {kind} state")
     clocks = state["clocks"]
     need(type(clocks) is dict and set(clocks) == {"next_update", "tokens_seen"}
@@ -153,12 +153,18 @@ def check_state_schema(state: dict, where: str, kind: str, next_update: int) -> 
     need(type(contract) is dict and set(contract) == {"fields", "versions"}
          and type(contract["fields"]) is dict and type(contract["versions"]) is dict, "malformed contract")
     need(type(state["history"]) is list, "malformed history")
-    if kind == "full":
+    if "sharded" in state:  # multi-rank: RNG and what differs between ranks are in the per-rank records
+        need(type(state["sharded"]) is dict and not {"rng", "grads"} & set(state), "malformed multi-rank record")
+    elif kind == "full":
         need(type(state.get("rng")) is dict and type(state.get("pending_gradients")) is bool, "malformed rng record")
         need(type(state.get("grads", {})) is dict, "malformed gradients record")
 
 
 def tensor_files(manifest: Manifest) -> list[str]:
+    """The tensor files ``state.json`` refers to (in a multi-rank generation: the global one only; the
+    per-rank records and DCP's shards are read by :mod:`trainstate.distributed`)."""
+    if manifest.ranks:
+        return [f.name for f in manifest.files if f.name == "tensors.safetensors"]
     return [f.name for f in manifest.files if f.name.endswith(".safetensors")]
 
 
@@ -314,6 +320,32 @@ def _read_verified_state(store: Store, manifest: Manifest) -> dict[str, Any]:
     state = load_json(data, where)
     check_state_schema(state, where, manifest.kind, manifest.next_update)
     return state
+
+
+def read_json_file(store: Store, manifest: Manifest, name: str) -> dict[str, Any]:
+    """A JSON file of a structurally verified generation, its digest checked against the manifest."""
+    record = manifest.file(name)
+    where = f"{manifest.generation}/{name}"
+    data = _read_limited(store, manifest.generation, name, min(record.size, MAX_JSON_BYTES))
+    if len(data) != record.size or digest_bytes(manifest.digest_algorithm, data) != record.digest:
+        raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
+    return load_json(data, where)
+
+
+def read_tensors(store: Store, manifest: Manifest, name: str) -> dict[str, torch.Tensor]:
+    """Every tensor of one tensor file of a structurally verified generation, its digest checked."""
+    tensors: dict[str, torch.Tensor] = {}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-verify") as pool:
+        _read_tensor_file(store, manifest, name, _ALL, tensors, pool)
+    return tensors
+
+
+class _Everything(set):
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+_ALL = _Everything()
 
 
 def _fits(dest: torch.Tensor | None, entry: tensorfile.Entry) -> bool:

@@ -1,0 +1,600 @@
+"""Multi-rank scenarios, run under a real ``torchrun`` (gloo on CPU) by ``tests/test_distributed*.py``.
+
+``python -m torch.distributed.run --nproc_per_node N tests/dist_worker.py OUT SCENARIO [SCENARIO ...]``
+
+Each scenario runs on every rank, in order, in ``OUT/<scenario>/``, and
+writes what it observed to ``OUT/<scenario>/rank<r>.json``; the pytest side
+reads those. Reference tensors are written with safetensors (never pickle).
+Several scenarios share one launch because each launch costs seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import trainstate as ts  # noqa: E402
+
+TIMEOUT_S = float(os.environ.get("TRAINSTATE_TEST_TIMEOUT", "60"))
+SCENARIOS = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+# the training setup ------------------------------------------------------------------------------------
+class Noisy(torch.utils.data.Dataset):
+    def __init__(self, n: int = 96):
+        g = torch.Generator().manual_seed(7)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        noise = torch.randn(8, generator=ts.sample_generator(index)) * 0.05
+        return self.x[index] + noise, self.y[index]
+
+
+def build(mode: str, seed: int = 0, batch: int = 4, loader: bool = True) -> ts.TrainState:
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if mode == "fsdp":
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    components = {"model": model, "optimizer": opt, "scheduler": sched}
+    if loader:
+        components["data"] = ts.ResumableLoader(Noisy(), batch_size=batch, seed=11)
+    return ts.TrainState(rngs={"noise": torch.Generator().manual_seed(1000 * seed + 17 + rank)},
+                         contract={"config": {"mode": mode}}, **components)
+
+
+def step(state: ts.TrainState, batches=None) -> None:
+    model, opt = state["model"], state["optimizer"]
+    if batches is not None:
+        x, y = next(batches)
+    else:
+        g = state.rngs["noise"]
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    x = x + torch.randn(x.shape, generator=state.rngs["noise"]) * 0.01
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state["scheduler"].step()
+    state.next_update += 1
+
+
+def train(state: ts.TrainState, updates: int, ckpt=None, every: int = 0, blocking: bool = True) -> None:
+    """Train ``updates`` updates through the loader (epochs roll over), saving every ``every``."""
+    loader = state.components.get("data")
+    done = 0
+    while done < updates:
+        batches = iter(loader) if loader is not None else None
+        for _ in range(len(loader) - loader.cursor if loader is not None else updates - done):
+            step(state, batches)
+            done += 1
+            if ckpt is not None and every and state.next_update % every == 0:
+                ckpt.save(state, blocking=blocking)
+            if done == updates:
+                break
+
+
+def full_state(state: ts.TrainState) -> dict[str, torch.Tensor]:
+    """Every tensor of model and optimizer, gathered to full tensors (a collective), plus scalars as tensors."""
+    model, opt = state["model"], state["optimizer"]
+    out = {}
+    for key, value in get_model_state_dict(model).items():
+        out[f"model.{key}"] = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+    osd = get_optimizer_state_dict(model, opt)
+    for key, entry in osd["state"].items():
+        for name, value in entry.items():
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            out[f"optim.{key}.{name}"] = value.detach().clone() if isinstance(value, torch.Tensor) else \
+                torch.tensor(value)
+    out["sched.last_epoch"] = torch.tensor(state["scheduler"].last_epoch)
+    out["clock"] = torch.tensor(state.next_update)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def rank_state(state: ts.TrainState) -> dict[str, torch.Tensor]:
+    """This rank's own streams: the next draws of its generators and the next batch's sample ids."""
+    out = {"noise": torch.randn(5, generator=torch.Generator().set_state(state.rngs["noise"].get_state())),
+           "torch_global": torch.get_rng_state()}
+    loader = state.components.get("data")
+    if loader is not None:
+        out["next_ids"] = torch.as_tensor(loader.epoch_batches(loader.epoch)[loader.cursor]).to(torch.int64)
+        out["position"] = torch.tensor([loader.epoch, loader.cursor, loader.start])
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+
+
+def manager(directory: Path, **kwargs) -> ts.CheckpointManager:
+    return ts.CheckpointManager(directory, collective_timeout_s=TIMEOUT_S, **kwargs)
+
+
+def save_ref(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    if dist.get_rank() == 0:
+        save_file(tensors, str(path))
+    dist.barrier()
+
+
+# scenarios ----------------------------------------------------------------------------------------------
+def _roundtrip_save(out: Path, mode: str) -> dict:
+    state = build(mode)
+    with manager(out / f"run-{mode}") as ckpt:
+        train(state, 5)
+        ckpt.save(state)
+    reference = full_state(state)
+    save_ref(out / f"ref-{mode}.safetensors", reference)
+    fresh = build(mode, seed=3)
+    with manager(out / f"run-{mode}") as ckpt:
+        info = ckpt.restore(fresh, allow_changes=["world_size"])
+    return {"saved_world": dist.get_world_size(), "differs": same(full_state(fresh), reference),
+            "generation": info.generation.name, "identical": info.identical_continuation}
+
+
+@scenario
+def roundtrip_save_ddp(out: Path) -> dict:
+    return _roundtrip_save(out, "ddp")
+
+
+@scenario
+def roundtrip_save_fsdp(out: Path) -> dict:
+    return _roundtrip_save(out, "fsdp")
+
+
+def _roundtrip_load(out: Path, mode: str) -> dict:
+    """Restore what another launch (another world size) saved into ``TRAINSTATE_TEST_SOURCE``."""
+    source = Path(os.environ["TRAINSTATE_TEST_SOURCE"]) / f"roundtrip_save_{mode}"
+    reference = load_file(str(source / f"ref-{mode}.safetensors"))
+    fresh = build(mode, seed=5)
+    with manager(source / f"run-{mode}") as ckpt:
+        try:
+            ckpt.restore(fresh)
+            refused = None
+        except ts.ContractMismatch as exc:
+            refused = [c.field for c in exc.changes]
+        info = ckpt.restore(fresh, allow_changes=["world_size"])
+    return {"refused_without_allow": refused, "differs": same(full_state(fresh), reference),
+            "identical": info.identical_continuation, "warnings": list(info.warnings),
+            "loader": [fresh["data"].epoch, fresh["data"].cursor, fresh["data"].start]}
+
+
+@scenario
+def roundtrip_load_ddp(out: Path) -> dict:
+    return _roundtrip_load(out, "ddp")
+
+
+@scenario
+def roundtrip_load_fsdp(out: Path) -> dict:
+    return _roundtrip_load(out, "fsdp")
+
+
+@scenario
+def exact_resume(out: Path) -> dict:
+    """Uninterrupted vs saved-and-restored-into-fresh-objects, FSDP2, dropout, per-rank RNG, sharded loader."""
+    total, cut = 14, 9
+    reference = build("fsdp")
+    train(reference, total)
+    want_full, want_rank = full_state(reference), rank_state(reference)
+    first = build("fsdp")
+    with manager(out / "run") as ckpt:
+        train(first, cut)
+        ckpt.save(first)
+    del first
+    torch.manual_seed(999)  # the global stream is wrong until restore puts it back
+    resumed = build("fsdp", seed=42)
+    with manager(out / "run") as ckpt:
+        info = ckpt.restore(resumed)
+    right_after = full_state(resumed)
+    train(resumed, total - cut)
+    got_full, got_rank = full_state(resumed), rank_state(resumed)
+    # negative control: the same resume with two ranks' RNG records swapped; a model-only comparison misses it
+    swapped = build("fsdp", seed=43)
+    with manager(out / "run") as ckpt:
+        ckpt.restore(swapped)
+    model_only_equal = not same(full_state(swapped), right_after)
+    states = [torch.empty_like(swapped.rngs["noise"].get_state()) for _ in range(dist.get_world_size())]
+    dist.all_gather(states, swapped.rngs["noise"].get_state())
+    swapped.rngs["noise"].set_state(states[(dist.get_rank() + 1) % dist.get_world_size()])
+    train(swapped, total - cut)
+    return {"generation": info.generation.name, "identical": info.identical_continuation,
+            "full_differs": same(got_full, want_full), "rank_differs": same(got_rank, want_rank),
+            "control_model_only_equal": model_only_equal,
+            "control_rank_differs": same(rank_state(swapped), want_rank),
+            "control_full_differs": same(full_state(swapped), want_full)}
+
+
+@scenario
+def bit_flip(out: Path) -> dict:
+    state = build("fsdp")
+    with manager(out / "run", keep_last=5) as ckpt:
+        train(state, 3)
+        ckpt.save(state)
+        older = full_state(state)
+        train(state, 2)
+        ckpt.save(state)
+    if dist.get_rank() == 0:
+        shard = out / "run" / "gen-000000000005" / "shard-00001.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0x10
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    fresh = build("fsdp", seed=8)
+    with manager(out / "run") as ckpt:
+        info = ckpt.restore(fresh)
+    result = {"generation": info.generation.name, "rejected": [r.generation for r in info.rejected],
+              "differs": same(full_state(fresh), older)}
+    if dist.get_rank() == 0:  # now damage the older one too: nothing verifies, nothing loads
+        shard = out / "run" / "gen-000000000003" / "shard-00000.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0x10
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    untouched = build("fsdp", seed=9)
+    before = full_state(untouched)
+    with manager(out / "run") as ckpt:
+        try:
+            ckpt.restore(untouched)
+            result["none_valid"] = "restored"
+        except ts.NoValidGeneration as exc:
+            result["none_valid"] = [r.generation for r in exc.rejections]
+    result["untouched_differs"] = same(full_state(untouched), before)
+    return result
+
+
+@scenario
+def no_pickle(out: Path) -> dict:
+    """A restore runs with pickle.load, pickle.loads and torch.load forbidden; a crafted metadata file is just
+    corrupt; the stock DCP reader trips the same guard (the control)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from test_hostile import reseal
+
+    state = build("fsdp")
+    with manager(out / "run") as ckpt:
+        train(state, 3)
+        ckpt.save(state)
+    saved = full_state(state)
+    dcp.save({"model": get_model_state_dict(state["model"])}, checkpoint_id=str(out / "stock"))
+    if dist.get_rank() == 0:  # a second run whose only generation carries a crafted (pickle) metadata file
+        import shutil
+        shutil.copytree(out / "run", out / "crafted")
+        gen = out / "crafted" / "gen-000000000003"
+        (gen / "dcp-metadata.json").write_bytes(pickle.dumps({"a": 1}))
+        reseal(out / "crafted", "gen-000000000003")
+    dist.barrier()
+    tripped = []
+    originals = (pickle.load, pickle.loads, torch.load, torch.serialization.load)
+
+    def forbidden(name):
+        def guard(*args, **kwargs):
+            tripped.append(name)
+            raise AssertionError(f"{name} called during a restore")
+        return guard
+
+    pickle.load, pickle.loads = forbidden("pickle.load"), forbidden("pickle.loads")
+    torch.load = torch.serialization.load = forbidden("torch.load")
+    try:
+        fresh = build("fsdp", seed=4)
+        with manager(out / "run") as ckpt:
+            ckpt.restore(fresh)
+        ours = list(tripped)
+        with manager(out / "crafted") as ckpt:
+            try:
+                ckpt.restore(build("fsdp", seed=5))
+                crafted = "restored"
+            except ts.NoValidGeneration as exc:
+                crafted = [r.reason for r in exc.rejections]
+        crafted_tripped = list(tripped)
+        try:
+            dcp.load({"model": get_model_state_dict(build("fsdp", seed=6)["model"])}, checkpoint_id=str(out / "stock"))
+            stock = "loaded without the guard"
+        except BaseException as exc:  # CheckpointException derives from BaseException
+            stock = f"{type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        pickle.load, pickle.loads, torch.load, torch.serialization.load = originals
+    return {"differs": same(full_state(fresh), saved), "tripped_by_ours": ours, "crafted": crafted,
+            "tripped_by_crafted": crafted_tripped, "stock": stock, "tripped_by_stock": sorted(set(tripped))}
+
+
+def _leftovers(run: Path) -> list[str]:
+    return sorted(n for n in os.listdir(run) if n.startswith(".trainstate-staging") or n.startswith(".trainstate-trash"))
+
+
+@scenario
+def replica_divergence(out: Path) -> dict:
+    state = build("ddp")
+    with manager(out / "run") as ckpt:
+        train(state, 2)
+        ckpt.save(state)
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                next(state["model"].parameters()).add_(1e-3)  # one replica drifts
+        train(state, 1)
+        try:
+            ckpt.save(state)
+            outcome = "saved"
+        except ts.TrainStateError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        latest = ckpt.latest()
+    dist.barrier()
+    return {"outcome": outcome, "latest": latest, "leftovers": _leftovers(out / "run")}
+
+
+@scenario
+def existing_generation(out: Path) -> dict:
+    state = build("fsdp")
+    with manager(out / "run") as ckpt:
+        train(state, 2)
+        first = ckpt.save(state)
+        again = ckpt.save(state)  # the same state at the same update: a no-op
+        state["optimizer"].param_groups[0]["lr"] = 0.5  # changed without advancing next_update
+        try:
+            ckpt.save(state)
+            outcome = "saved"
+        except ts.TrainStateError as exc:
+            outcome = type(exc).__name__
+        latest = ckpt.latest()
+    dist.barrier()
+    return {"noop_same": again == first, "outcome": outcome, "latest": latest,
+            "leftovers": _leftovers(out / "run")}
+
+
+def _raise_in(target: str, rank: int):
+    """Patch one step of the save to raise on ``rank`` (a real exception in a real process)."""
+    from trainstate.distributed import storage
+
+    if target == "write":
+        real = storage.Writer.write_data
+
+        def write_data(self, plan, planner):
+            if self.rank == rank:
+                raise OSError(5, f"injected EIO in write_data on rank {rank}")
+            return real(self, plan, planner)
+        storage.Writer.write_data = write_data
+        return lambda: setattr(storage.Writer, "write_data", real)
+    real = storage.Writer.finish
+
+    def finish(self, metadata, results):
+        raise OSError(5, "injected EIO in finish")
+    storage.Writer.finish = finish
+    return lambda: setattr(storage.Writer, "finish", real)
+
+
+@scenario
+def raised_faults(out: Path) -> dict:
+    """A failure in write (rank 0, rank 1) or finish: no generation, pointer unchanged, every rank raises a
+    typed error, and the next save cleans up."""
+    results = {}
+    for fault, rank in (("write", 0), ("write", 1), ("finish", 0)):
+        run = out / f"{fault}-{rank}"
+        state = build("fsdp")
+        with manager(run) as ckpt:
+            train(state, 2)
+            ckpt.save(state)
+            pointer = (run / "latest").read_bytes()
+            undo = _raise_in(fault, rank)
+            train(state, 1)
+            try:
+                ckpt.save(state)
+                outcome = "saved"
+            except ts.TrainStateError as exc:
+                outcome = type(exc).__name__
+            finally:
+                undo()
+            dist.barrier()
+            entry = {"outcome": outcome, "pointer_unchanged": (run / "latest").read_bytes() == pointer,
+                     "generations": ckpt.generations(), "leftovers": _leftovers(run)}
+            fresh = build("fsdp", seed=3)
+            info = ckpt.restore(fresh)
+            train(fresh, 1)
+            ckpt.save(fresh)
+            entry.update(restored=info.generation.name, after_next_save=_leftovers(run), latest=ckpt.latest())
+        results[f"{fault}-rank{rank}"] = entry
+    return results
+
+
+@scenario
+def background(out: Path) -> dict:
+    """Background saves on the dedicated group while DDP trains; an injected failure surfaces at the next call."""
+    state = build("ddp")
+    boundaries = {}
+    with manager(out / "run", keep_last=10) as ckpt:
+        for _ in range(3):
+            train(state, 2)
+            boundaries[state.next_update] = full_state(state)
+            ckpt.save(state, blocking=False)
+            train(state, 1)  # trains while the save is written
+        ckpt.wait()
+        latest = ckpt.latest()
+        surfaced = {}
+        for where in ("save", "wait", "close"):
+            undo = _raise_in("write", 1)
+            train(state, 1)
+            ckpt.save(state, blocking=False)
+            try:
+                if where == "save":
+                    train(state, 1)
+                    ckpt.save(state, blocking=False)
+                elif where == "wait":
+                    ckpt.wait()
+                else:
+                    ckpt.close()
+                surfaced[where] = "nothing"
+            except ts.AsyncSaveFailed as exc:
+                surfaced[where] = f"AsyncSaveFailed from {type(exc.__cause__).__name__}"
+            finally:
+                undo()
+            if where == "save":
+                ckpt.wait()
+    restored = {}
+    for update, expected in boundaries.items():
+        fresh = build("ddp", seed=9)
+        with manager(out / "run") as ckpt:
+            ckpt.restore(fresh, generation=f"gen-{update:012d}")
+        restored[update] = same(full_state(fresh), expected)
+    return {"latest": latest, "restored_differs": {str(k): v for k, v in restored.items()}, "surfaced": surfaced}
+
+
+def _install_fault(kind: str) -> None:
+    """A real fault in a real process: SIGKILL rank 1 inside its shard write, SIGKILL rank 0 between writing
+    the manifest and the rename, or hang rank 1 inside its write (the survivors must time out)."""
+    import signal
+
+    from trainstate.distributed import storage
+    from trainstate.storage.local import LocalStaging
+
+    rank = dist.get_rank()
+    if kind in ("kill_rank1_write", "hang_rank1_write") and rank == 1:
+        real = storage.Writer.write_data
+
+        def write_data(self, plan, planner):
+            if kind == "hang_rank1_write":
+                time.sleep(600)
+
+            def dying_write(file, chunks, stable=False):
+                next(iter(chunks), None)  # some bytes in flight, then the process is gone
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.staging.write = dying_write
+            return real(self, plan, planner)
+        storage.Writer.write_data = write_data
+    if kind == "kill_rank0_rename" and rank == 0:
+        real_commit = LocalStaging.commit
+
+        def commit(self):
+            if (self.path / "manifest.json").exists():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_commit(self)
+        LocalStaging.commit = commit
+
+
+@scenario
+def fault(out: Path) -> dict:
+    kind = os.environ["TRAINSTATE_TEST_FAULT"]
+    state = build("fsdp")
+    run = out / "run"
+    with manager(run) as ckpt:
+        train(state, 2)
+        ckpt.save(state)
+        _install_fault(kind)
+        train(state, 1)
+        started = time.monotonic()
+        try:
+            ckpt.save(state)
+            outcome = "saved"
+        except ts.TrainStateError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"[:600]
+        result = {"ok": True, "outcome": outcome, "seconds_to_raise": round(time.monotonic() - started, 2)}
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
+        os._exit(3 if outcome != "saved" else 0)  # a survivor exits non-zero at once: its peer is gone
+
+
+@scenario
+def fault_followup(out: Path) -> dict:
+    """After each fault: the next run restores the previous generation and its next save cleans the leftover."""
+    results = {}
+    for source in sorted(p for p in Path(os.environ["TRAINSTATE_TEST_SOURCE"]).iterdir() if (p / "fault").is_dir()):
+        run = source / "fault" / "run"
+        entry = {"leftovers_before": _leftovers(run), "generations_before": sorted(
+            n for n in os.listdir(run) if n.startswith("gen-"))}
+        fresh = build("fsdp", seed=4)
+        with manager(run) as ckpt:
+            info = ckpt.restore(fresh)
+            train(fresh, 1)
+            saved = ckpt.save(fresh)
+            entry.update(restored=info.generation.name, saved=saved.name, latest=ckpt.latest())
+        dist.barrier()
+        entry["leftovers_after"] = _leftovers(run)
+        results[source.name] = entry
+    return results
+
+
+@scenario
+def object_store(out: Path) -> dict:
+    """The same exact resume on an S3 URL (``TRAINSTATE_TEST_S3``): every rank uploads its own shard under the
+    attempt prefix, rank 0 writes the manifest and the create-only commit record; no shared filesystem."""
+    remote = json.loads(os.environ["TRAINSTATE_TEST_S3"])
+    url, opts = remote["url"], remote["storage_options"]
+    total, cut = 10, 6
+    reference = build("fsdp")
+    train(reference, total)
+    want_full, want_rank = full_state(reference), rank_state(reference)
+    first = build("fsdp")
+    with ts.CheckpointManager(url, storage_options=opts, collective_timeout_s=TIMEOUT_S, keep_last=1) as ckpt:
+        train(first, cut - 2)
+        ckpt.save(first)
+        train(first, 2)
+        info_saved = ckpt.save(first)
+        dist.barrier()  # rank 0 prunes after every rank has its answer
+        generations = ckpt.generations()
+    del first
+    torch.manual_seed(999)
+    resumed = build("fsdp", seed=42)
+    with ts.CheckpointManager(url, storage_options=opts, collective_timeout_s=TIMEOUT_S) as ckpt:
+        info = ckpt.restore(resumed)
+    train(resumed, total - cut)
+    from trainstate.storage.locate import open_store
+
+    store = open_store(url, storage_options=opts)
+    files = sorted(store.files(info.generation.name))
+    return {"saved": info_saved.name, "generations": generations, "generation": info.generation.name,
+            "identical": info.identical_continuation, "files": files, "leftovers": store.leftovers(),
+            "full_differs": same(full_state(resumed), want_full),
+            "rank_differs": same(rank_state(resumed), want_rank)}
+
+
+def main() -> int:
+    out, names = Path(sys.argv[1]), sys.argv[2:]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format=f"[rank{dist.get_rank()}] %(levelname)s %(message)s")
+    status = 0
+    for name in names:
+        where = out / name
+        where.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        started = time.monotonic()
+        try:
+            result = {"ok": True, **SCENARIOS[name](where)}
+        except Exception as exc:  # reported to the test, which shows it
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+            status = 1
+        result["seconds"] = round(time.monotonic() - started, 2)
+        (where / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1, default=str))
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Multi-rank checkpoints on ``torch.distributed.checkpoint``, under a real ``torchrun`` with 2 gloo ranks on CPU.
+
+Scenarios run in ``tests/dist_worker.py``; several share one launch (each
+launch costs seconds). The round trips chain three launches: saved at world
+size 2, restored at 1 (and saved there), restored at 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distlaunch import launch
+
+pytestmark = pytest.mark.slow
+
+MAIN = ["roundtrip_save_ddp", "roundtrip_save_fsdp", "exact_resume", "bit_flip", "no_pickle", "replica_divergence",
+        "existing_generation", "raised_faults", "background"]
+FAULTS = ["kill_rank1_write", "kill_rank0_rename", "hang_rank1_write"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    two = launch(root / "two", MAIN)
+    one = launch(root / "one", ["roundtrip_load_ddp", "roundtrip_load_fsdp", "roundtrip_save_ddp",
+                                "roundtrip_save_fsdp"], ranks=1, env={"TRAINSTATE_TEST_SOURCE": str(root / "two")})
+    back = launch(root / "back", ["roundtrip_load_ddp", "roundtrip_load_fsdp"],
+                  env={"TRAINSTATE_TEST_SOURCE": str(root / "one")})
+    return {"two": two, "one": one, "back": back}
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    launched = {kind: launch(root / kind, ["fault"], env={"TRAINSTATE_TEST_FAULT": kind,
+                                                          "TRAINSTATE_TEST_TIMEOUT": "6"}, monitor=5)
+                for kind in FAULTS}
+    followup = launch(root / "followup", ["fault_followup"], env={"TRAINSTATE_TEST_SOURCE": str(root)})
+    return launched, followup
+
+
+# 1. round trips ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_round_trip_at_the_same_world_size_is_bitwise(runs, mode):
+    for result in runs["two"].ok(f"roundtrip_save_{mode}"):
+        assert result["differs"] == [] and result["identical"], result
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
+def test_resharding_to_another_world_size_is_exact_for_model_and_optimizer(runs, mode, direction):
+    launched, ranks = (runs["one"], 1) if direction == "2->1" else (runs["back"], 2)
+    for result in launched.ok(f"roundtrip_load_{mode}", ranks):
+        assert result["refused_without_allow"] == ["world_size"], result  # ContractMismatch naming world_size
+        assert result["differs"] == [], result  # full tensors, moments and step counts bitwise equal
+        assert not result["identical"] and any("per-rank RNG" in w for w in result["warnings"]), result
+
+
+def test_the_loader_continues_the_same_global_order_after_resharding(runs):
+    # saved after 5 batches of 4 on each of 2 ranks: the 40 first samples of the epoch's global order are consumed
+    assert runs["one"].ok("roundtrip_load_fsdp", 1)[0]["loader"] == [0, 0, 40]
+
+
+# 2. exact resume, with a negative control -------------------------------------------------------------------------
+def test_exact_resume_at_world_size_2_and_each_ranks_streams(runs):
+    for result in runs["two"].ok("exact_resume"):
+        assert result["identical"] and result["full_differs"] == [], result
+        assert result["rank_differs"] == [], result  # this rank's generator, global RNG, loader position, next ids
+
+
+def test_swapped_rank_rng_is_caught_where_a_model_only_comparison_is_not(runs):
+    for result in runs["two"].ok("exact_resume"):
+        assert result["control_model_only_equal"], result  # right after the restore, the models agree
+        assert "noise" in result["control_rank_differs"] and result["control_full_differs"], result
+
+
+# 5. a bit flip -------------------------------------------------------------------------------------------------
+def test_a_bit_flip_in_the_newest_shard_makes_every_rank_fall_back_together(runs):
+    for result in runs["two"].ok("bit_flip"):
+        assert result["generation"] == "gen-000000000003" and result["rejected"] == ["gen-000000000005"], result
+        assert result["differs"] == [], result
+        assert result["none_valid"] == ["gen-000000000005", "gen-000000000003"], result
+        assert result["untouched_differs"] == [], result  # nothing verified: not one live tensor changed
+
+
+# 6. no pickle ----------------------------------------------------------------------------------------------------
+def test_restore_never_unpickles_and_a_crafted_metadata_file_is_just_corrupt(runs):
+    for result in runs["two"].ok("no_pickle"):
+        assert result["differs"] == [] and result["tripped_by_ours"] == [], result
+        assert all("dcp-metadata.json" in reason for reason in result["crafted"]), result
+        assert result["tripped_by_crafted"] == [], result
+
+
+def test_control_the_stock_dcp_reader_trips_the_same_guard(runs):
+    for result in runs["two"].ok("no_pickle"):
+        assert result["tripped_by_stock"] and result["stock"].startswith("CheckpointException"), result
+
+
+# 7. replicas and existing generations --------------------------------------------------------------------------
+def test_a_diverged_ddp_replica_is_refused_on_every_rank(runs):
+    for result in runs["two"].ok("replica_divergence"):
+        assert result["outcome"].startswith("StateMismatch: replicated tensors differ between ranks: model.0.weight")
+        assert result["latest"] == "gen-000000000002" and result["leftovers"] == [], result
+
+
+def test_saving_over_an_existing_generation_is_refused_before_any_rank_writes(runs):
+    outcomes = [r["outcome"] for r in runs["two"].ok("existing_generation")]
+    assert outcomes == ["GenerationExists", "CheckpointFailed"], outcomes  # rank 0 refuses, rank 1 is told
+    for result in runs["two"].ok("existing_generation"):
+        assert result["noop_same"] and result["leftovers"] == [] and result["latest"] == "gen-000000000002"
+
+
+# 4. faults --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", ["write-rank0", "write-rank1", "finish-rank0"])
+def test_a_raised_failure_in_any_phase_publishes_nothing(runs, fault):
+    for result in runs["two"].ok("raised_faults"):
+        entry = result[fault]
+        assert entry["outcome"] in ("CheckpointFailed", "GenerationExists"), entry  # typed, on every rank
+        assert entry["pointer_unchanged"] and entry["generations"] == ["gen-000000000002"], entry
+        assert entry["restored"] == "gen-000000000002" and entry["latest"] == "gen-000000000003", entry
+        assert entry["after_next_save"] == [], entry
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_a_killed_or_hung_rank_makes_the_survivor_raise_and_exit_non_zero(faults, kind):
+    launched, _ = faults
+    run = launched[kind]
+    assert run.returncode != 0, run.log[-3000:]
+    survivor = 0 if "rank1" in kind else 1
+    result = run.result("fault", survivor)
+    assert result["outcome"].startswith("CheckpointFailed"), result
+    limit = 6 + 5 if kind.startswith("hang") else 5  # the collective timeout, or at once
+    assert result["seconds_to_raise"] < limit, result
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_after_a_fault_the_next_run_restores_and_its_next_save_cleans_up(faults, kind):
+    _, followup = faults
+    entry = followup.ok("fault_followup")[0][kind]
+    assert entry["generations_before"] == ["gen-000000000002"], entry  # no new generation, no pointer move
+    assert entry["restored"] == "gen-000000000002" and entry["latest"] == "gen-000000000003", entry
+    assert entry["leftovers_after"] == [], entry
+
+
+# 8. background saves ---------------------------------------------------------------------------------------------
+def test_background_saves_on_the_dedicated_group_while_ddp_trains(runs):
+    for result in runs["two"].ok("background"):
+        assert result["latest"] == "gen-000000000008", result
+        assert all(d == [] for d in result["restored_differs"].values()), result  # each the state at its call
+
+
+@pytest.mark.parametrize("where", ["save", "wait", "close"])
+def test_a_background_failure_surfaces_at_the_next_call(runs, where):
+    for result in runs["two"].ok("background"):
+        assert result["surfaced"][where] == "AsyncSaveFailed from CheckpointFailed" or \
+            result["surfaced"][where].startswith("AsyncSaveFailed"), result

@@ -1,0 +1,228 @@
+"""What each rank contributes to a multi-rank generation, taken at one update boundary.
+
+Three parts:
+
+- **sharded** (through DCP): every module and optimizer, via DCP's
+  distributed state-dict API (``get_model_state_dict``/``get_optimizer_state_dict``),
+  so FSDP2 shards stay shards and replicated (DDP, plain) tensors are written
+  once. Replicas are compared by digest first: DCP's deduplication would
+  otherwise keep one rank's copy of a replica that silently diverged.
+- **global** (``state.json`` and ``tensors.safetensors``, written by rank 0):
+  clocks, the contract, history, and every other component whose state is
+  the same on all ranks (schedulers, scalers, ...).
+- **per rank** (``rank-<r>.json`` and ``rank-<r>.safetensors``): RNG streams,
+  and whatever differs between ranks (a data loader's position, rank-owned
+  counters or facts). Per-rank values never pass through DCP keys, which DCP
+  would deduplicate across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from ..errors import InvalidArgument, PendingGradients, StateMismatch
+from ..format import tensorfile
+from ..format.codec import TensorTable, encode
+from ..format.digest import new_hasher
+from ..format.manifest import FORMAT_VERSION
+from ..state import contract as contract_mod
+from ..state import rng as rng_mod
+from ..state.snapshot import _type_name, state_json
+from ..state.train_state import TrainState
+from .group import Ranks
+
+
+@dataclass
+class RankSnapshot:
+    """One rank's share of a generation."""
+
+    dcp: dict[str, Any]  # component -> state dict, for DCP
+    sharded: dict[str, dict]  # component -> {"type", "kind", "owner"}
+    global_skeleton: dict  # what state.json holds (identical on every rank)
+    global_tensors: dict[str, torch.Tensor]
+    rank_skeleton: dict
+    rank_tensors: dict[str, torch.Tensor]
+    data: dict = field(default_factory=dict)  # this rank's data positions (rank 0's go into the manifest)
+
+
+def owners(state: TrainState) -> dict[str, str]:
+    """For each registered optimizer, the registered module all of whose parameters it updates."""
+    modules = state.modules()
+    out = {}
+    for name, component in state.components.items():
+        if not isinstance(component, torch.optim.Optimizer):
+            continue
+        params = {id(p) for group in component.param_groups for p in group["params"]}
+        owner = [m for m, module in modules.items() if params <= {id(p) for p in module.parameters()}]
+        if not owner:
+            raise InvalidArgument(
+                f"optimizer {name!r} updates parameters that are not all in one registered module; in a multi-rank "
+                "run each optimizer's parameters must belong to one module registered in the TrainState (its "
+                "sharded state is keyed by that module's parameter names)")
+        out[name] = owner[0]
+    return out
+
+
+def sharded_state(state: TrainState, *, weights_only: bool = False) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The DCP state dict (component -> state dict) and what each sharded component is."""
+    modules = state.modules()
+    dcp = {name: get_model_state_dict(module) for name, module in modules.items()}
+    described = {name: {"type": _type_name(module), "kind": "module", "owner": None} for name, module in modules.items()}
+    if not weights_only:
+        for name, owner in owners(state).items():
+            dcp[name] = get_optimizer_state_dict(modules[owner], state.components[name])
+            described[name] = {"type": _type_name(state.components[name]), "kind": "optimizer", "owner": owner}
+    return dcp, described
+
+
+def contract_fields(state: TrainState, world_size: int) -> dict[str, Any]:
+    """The contract of a multi-rank run: the same on every rank (a loader's rank is dropped), plus the world size."""
+    fields = state.contract_fields()
+    for key, value in list(fields.items()):
+        if key.startswith("loader.") and type(value) is dict:
+            fields[key] = {k: v for k, v in value.items() if k not in ("rank", "world_size")}
+    fields["world_size"] = world_size
+    return fields
+
+
+def _digest(skeleton: Any, tensors: dict[str, torch.Tensor]) -> str:
+    hasher = new_hasher("blake3")
+    hasher.update(json.dumps(skeleton, sort_keys=True, separators=(",", ":"), allow_nan=False).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        hasher.update(tensorfile.byte_view(tensor.detach().cpu().contiguous()))
+    return hasher.hexdigest()
+
+
+def _replica_digests(dcp: dict[str, Any]) -> dict[str, str]:
+    """A digest of every replicated (non-DTensor) tensor of the sharded part, by flattened key."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, DTensor):
+            return
+        if isinstance(node, torch.Tensor):
+            out[path] = _digest(None, {"t": node})
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}.{key}")
+    for name, value in dcp.items():
+        walk(value, name)
+    return out
+
+
+def _settings(dcp: dict[str, Any]) -> str:
+    """A digest of everything in the sharded part but tensor values (param groups, step counts' shapes, ...).
+
+    It goes into ``state.json``, so that a second save at the same update
+    notices a changed learning rate as it notices a changed counter.
+    """
+    def strip(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return ["tensor", str(node.dtype), list(node.shape)]
+        if isinstance(node, dict):
+            return {str(k): strip(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [strip(v) for v in node]
+        if isinstance(node, float) and node != node or node in (float("inf"), float("-inf")):
+            return repr(node)
+        return node if node is None or isinstance(node, (bool, int, float, str)) else repr(node)
+    return _digest(strip(dcp), {})
+
+
+def capture(state: TrainState, ranks: Ranks, *, weights_only: bool = False) -> RankSnapshot:
+    """This rank's share, with every cross-rank check done (a collective: every rank calls it)."""
+    if not weights_only and state.pending_gradients:
+        raise PendingGradients(
+            "gradients are pending: a backward pass accumulated into .grad since the last optimizer.step(). "
+            "A multi-rank checkpoint does not store gradients: save after optimizer.step() (and zero_grad).")
+    dcp, sharded = sharded_state(state, weights_only=weights_only)
+    others = {} if weights_only else {n: c for n, c in state.components.items() if n not in sharded}
+    encoded = {}
+    for name, component in others.items():
+        table = TensorTable()
+        encoded[name] = ({"type": _type_name(component), "state": encode(component.state_dict(), name, table)},
+                         table.tensors)
+    fields = contract_fields(state, ranks.world_size)
+    facts_table = TensorTable()
+    facts = encode(state.facts, "facts", facts_table)
+    report = {
+        "next_update": state.next_update,
+        "replicas": _replica_digests(dcp), "settings": _settings(dcp),
+        "components": {n: _digest(*encoded[n]) for n in encoded},
+        "contract": {k: _digest(v, {}) for k, v in fields.items()},
+        "counters": _digest(state.counters, {}), "facts": _digest(facts, facts_table.tensors),
+        "tokens_seen": state.tokens_seen,
+    }
+    reports = ranks.all_gather(report, "capture")
+    _check_agreement(reports, state)
+    same = {key: all(r[key] == reports[0][key] for r in reports) for key in ("counters", "facts", "tokens_seen")}
+    positions = state.data_positions()  # a data position is per rank by nature, even at world size 1
+    rank_local = sorted(n for n in encoded if n in positions
+                        or any(r["components"][n] != reports[0]["components"][n] for r in reports))
+    global_table, rank_table = TensorTable(), TensorTable()
+
+    def place(value: Any, path: str, on_rank: bool) -> Any:
+        return encode(value, path, rank_table if on_rank else global_table)
+
+    global_skeleton: dict[str, Any] = {
+        "format": "trainstate-state", "format_version": FORMAT_VERSION, "kind": "weights" if weights_only else "full",
+        "clocks": {"next_update": state.next_update, "tokens_seen": state.tokens_seen if same["tokens_seen"] else 0},
+        "counters": dict(state.counters) if same["counters"] else {},
+        "facts": place(state.facts, "facts", False) if same["facts"] else {},
+        "components": {n: {"type": encoded[n][0]["type"], "state": place(others[n].state_dict(), n, False)}
+                       for n in encoded if n not in rank_local},
+        "contract": {"fields": fields, "versions": contract_mod.versions()},
+        "history": contract_mod.canonical(state.history, "history"),
+        "sharded": {"world_size": ranks.world_size, "components": sharded, "settings": report["settings"],
+                    "rank_local": {
+            "components": rank_local, "counters": not same["counters"], "facts": not same["facts"],
+            "tokens_seen": not same["tokens_seen"]}},
+    }
+    rank_skeleton: dict[str, Any] = {"format": "trainstate-rank", "format_version": FORMAT_VERSION,
+                                     "rank": ranks.rank, "world_size": ranks.world_size}
+    if not weights_only:
+        rank_skeleton["rng"] = place(rng_mod.capture(state.rngs, include_globals=state.capture_global_rngs), "rng", True)
+        rank_skeleton["components"] = {n: {"type": encoded[n][0]["type"], "state": place(others[n].state_dict(), n, True)}
+                                       for n in rank_local}
+        if not same["counters"]:
+            rank_skeleton["counters"] = dict(state.counters)
+        if not same["facts"]:
+            rank_skeleton["facts"] = place(state.facts, "facts", True)
+        if not same["tokens_seen"]:
+            rank_skeleton["tokens_seen"] = state.tokens_seen
+    data = {} if weights_only else {n: c.data_position() for n, c in positions.items()}
+    state_json(global_skeleton)  # refuses now what JSON cannot carry
+    return RankSnapshot(dcp, sharded, global_skeleton, global_table.tensors, rank_skeleton, rank_table.tensors, data)
+
+
+def _check_agreement(reports: list[dict], state: TrainState) -> None:
+    """Every rank is at the same boundary, with the same contract and identical replicas."""
+    updates = [r["next_update"] for r in reports]
+    if len(set(updates)) != 1:
+        raise StateMismatch(f"ranks are at different updates {updates}: save() is collective and every rank must "
+                            "call it at the same update boundary")
+    fields = sorted({k for r in reports for k in r["contract"]})
+    differ = [k for k in fields if len({r["contract"].get(k) for r in reports}) != 1]
+    if differ:
+        raise StateMismatch(f"ranks disagree on the experiment contract: {', '.join(differ)}; every rank must build "
+                            "the same model, config and loader plan")
+    if len({r["settings"] for r in reports}) != 1:
+        raise StateMismatch("ranks disagree on the optimizer settings (param groups: learning rate, betas, ...); "
+                            "every rank must update its optimizer the same way")
+    keys = sorted({k for r in reports for k in r["replicas"]})
+    diverged = [k for k in keys if len({r["replicas"].get(k) for r in reports}) != 1]
+    if diverged:
+        raise StateMismatch(
+            f"replicated tensors differ between ranks: {', '.join(diverged[:10])}"
+            + (f" and {len(diverged) - 10} more" if len(diverged) > 10 else "")
+            + ". A replicated (DDP or unsharded) model must be identical on every rank; a checkpoint would keep "
+            "one rank's copy and lose the others. Find what updates one replica only (a buffer such as BatchNorm "
+            "statistics under FSDP: use SyncBatchNorm or broadcast it), then save.")

@@ -1,0 +1,272 @@
+"""The multi-rank publication protocol: one atomic commit for all ranks, top to bottom.
+
+Every rank runs :func:`publish` with its :class:`~.capture.RankSnapshot`, on
+the checkpoint group; rank 0 owns the directory (lock, leftovers, pointer,
+pruning) through the same :class:`~trainstate.publish.Publisher` a single
+process uses.
+
+1. **begin** (rank 0, before anyone writes): every rank names the same
+   generation; what exists under that name is decided (set aside, superseded,
+   a no-op when this state is already published, or a refusal); leftovers
+   are removed; the disk preflight runs; the staging directory is created.
+   Its name, or the refusal, is broadcast.
+2. **stage** (every rank): its per-rank record; rank 0 also the global
+   ``state.json`` and ``tensors.safetensors``. Each file is digested, fsynced
+   and read back. Every rank learns whether all succeeded.
+3. **write** (DCP): each rank writes its shard file; rank 0's ``finish``
+   checks it has records from every rank, writes DCP's metadata as JSON and
+   the manifest, fsyncs, renames staging to the final name and fsyncs the
+   parent.
+4. **verify**: rank 0 checks the committed manifest, the file set and every
+   size; with ``verify="full"`` each rank also re-reads and digests the
+   files it wrote; all agree.
+5. **publish** (rank 0): the pointer moves, then pruning; the outcome is
+   broadcast, and every rank returns the same result or raises.
+
+A failure on any rank in any phase aborts the generation on every rank: no
+pointer moves, the staging directory is removed (or, if rank 0 died, the
+next save removes it) and a committed-but-unverified generation is removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from ..errors import CheckpointFailed, CorruptGeneration, TrainStateError
+from ..format import tensorfile
+from ..format.digest import digest_stream
+from ..format.manifest import MANIFEST, POINTER, STATE, WEIGHTS_POINTER, FileRecord, Manifest, Pointer, parse_manifest
+from ..publish import TENSORS, Pending, Publisher
+from ..records import GenerationInfo
+from ..state import contract as contract_mod
+from ..state.snapshot import state_json
+from ..storage.verify import verify_generation
+from .capture import RankSnapshot
+from .group import Ranks, collective
+from .planner import SavePlanner
+from .storage import Writer
+
+log = logging.getLogger("trainstate")
+
+
+def rank_json(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def rank_tensors(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publisher: Publisher | None,
+            key: Any, content: bool = False) -> GenerationInfo:
+    """Publish one generation from every rank's share; returns on every rank once it is committed and latest."""
+    begun = _begin(snap, pending, ranks, store, publisher)
+    if begun.get("noop"):
+        return GenerationInfo(**begun["noop"])
+    pending.extra["lineage"] = begun["lineage"]  # rank 0's timeline ids, so every rank records the same
+    pending.extra["run"] = begun["run"]
+    staging = store.join(pending.name, begun["staging"]) if ranks.rank else begun["_staging"]
+    superseded = begun.get("_superseded")  # rank 0: the old generation of this name, set aside until published
+    try:
+        records = _stage(snap, pending, ranks, staging)
+        manifest_bytes = _write(snap, pending, ranks, staging, records, key)
+        info = _verify_and_publish(pending, ranks, store, publisher, manifest_bytes, key, content)
+    except BaseException:
+        if ranks.rank == 0:
+            staging.abort()  # nothing committed (or removed again): no leftover for the next save to find
+            if superseded is not None:
+                publisher._put_back(superseded, pending.name)
+        raise
+    if superseded is not None:
+        _remove_quietly(store, superseded)
+    return info
+
+
+# 1. begin -------------------------------------------------------------------------------------------------
+def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publisher: Publisher | None) -> dict:
+    size = sum(t.nbytes for t in snap.rank_tensors.values()) + sum(t.nbytes for t in snap.global_tensors.values())
+    size += sum(_sharded_bytes(v) for v in snap.dcp.values())
+    names = ranks.all_gather([pending.name, size], "begin")
+    if len({n for n, _ in names}) != 1:
+        raise CheckpointFailed("begin", {r: f"saves {n}" for r, (n, _) in enumerate(names)})
+    outcome: dict[str, Any] = {}
+    staging, error = None, None
+    if ranks.rank == 0:
+        try:
+            outcome, staging = _rank0_begin(pending, store, publisher, sum(s for _, s in names))
+        except TrainStateError as exc:
+            outcome = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}
+            error = exc
+        except OSError as exc:
+            outcome = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}
+            error = exc
+    shared = ranks.broadcast({k: v for k, v in outcome.items() if not k.startswith("_")}, "begin")
+    if "error" in shared:
+        if ranks.rank == 0:
+            raise error
+        raise CheckpointFailed("begin", {0: shared["error"]})
+    if staging is not None:
+        shared["_staging"], shared["_superseded"] = staging, outcome.get("_superseded")
+    return shared
+
+
+def _rank0_begin(pending: Pending, store: Any, publisher: Publisher, total_bytes: int) -> tuple[dict, Any]:
+    store.lock()
+    publisher.finish_interrupted_replacements()
+    existing = publisher.make_room(pending)
+    if isinstance(existing, GenerationInfo):
+        return {"noop": dataclasses.asdict(existing)}, None
+    for leftover in store.clean_leftovers():
+        log.info("removed leftover %s from an interrupted save", leftover)
+    if publisher.preflight:
+        publisher.check_space(pending.name, total_bytes)
+    run = publisher.run_identity()
+    staging = store.begin(pending.name)
+    return {"staging": staging.name, "lineage": pending.extra["lineage"], "run": run,
+            "_superseded": existing}, staging
+
+
+def _sharded_bytes(value: Any) -> int:
+    if hasattr(value, "to_local"):
+        return value.to_local().nbytes
+    if hasattr(value, "nbytes") and not isinstance(value, (bytes, bytearray)):
+        return int(value.nbytes)
+    if isinstance(value, dict):
+        return sum(_sharded_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_sharded_bytes(v) for v in value)
+    return 0
+
+
+# 2. stage ---------------------------------------------------------------------------------------------------
+def _stage(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any) -> list[FileRecord]:
+    records: list[FileRecord] = []
+    error: BaseException | None = None
+    try:
+        records.append(_write_tensors(staging, rank_tensors(ranks.rank), snap.rank_tensors))
+        records.append(staging.write(rank_json(ranks.rank), [state_json(snap.rank_skeleton)]))
+        if ranks.rank == 0:
+            records.append(staging.write(STATE, [state_json(snap.global_skeleton)]))
+            records.append(_write_tensors(staging, TENSORS, snap.global_tensors))
+    except (TrainStateError, OSError, ValueError, RuntimeError) as exc:
+        error = exc
+    ranks.check("stage", error)
+    return records
+
+
+def _write_tensors(staging: Any, name: str, tensors: dict) -> FileRecord:
+    layout = tensorfile.plan(tensors)
+    return staging.write(name, tensorfile.chunks(layout, tensors), stable=all(t.device.type == "cpu"
+                                                                                for t in tensors.values()))
+
+
+# 3. write (DCP) ----------------------------------------------------------------------------------------------
+def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, records: list[FileRecord],
+           key: Any) -> bytes:
+    written: dict[str, bytes] = {}
+
+    def commit(metadata: bytes, every_file: list[FileRecord]) -> None:
+        # rank 0, inside DCP's finish: every rank's records are here; the manifest goes last, then the rename
+        per_rank = [[f.name for f in every_file if _owner(f.name) == r] for r in range(ranks.world_size)]
+        manifest = Manifest(
+            generation=pending.name, kind=pending.kind, next_update=pending.next_update,
+            digest_algorithm=staging._store.digest_algorithm, files=tuple(every_file),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
+            contract_fingerprint=contract_mod.digest(snap.global_skeleton["contract"]["fields"]),
+            versions=snap.global_skeleton["contract"]["versions"], parent=pending.parent,
+            world_size=ranks.world_size, ranks=per_rank, **pending.extra)
+        written["manifest"] = manifest.to_bytes(key)
+        staging.write(MANIFEST, [written["manifest"]])
+        staging.commit()
+
+    writer = Writer(staging, ranks.rank, ranks.world_size, records, commit)
+    with collective("write", ranks):
+        dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
+    return written.get("manifest", b"")
+
+
+def _owner(name: str) -> int:
+    """The rank a file belongs to (0 for the global files)."""
+    for prefix in ("rank-", "shard-"):
+        if name.startswith(prefix):
+            return int(name[len(prefix):len(prefix) + 5])
+    return 0
+
+
+# 4. verify, 5. publish ------------------------------------------------------------------------------------
+def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: Publisher | None,
+                        manifest_bytes: bytes, key: Any, content: bool) -> GenerationInfo:
+    shared = ranks.broadcast(manifest_bytes.decode() if ranks.rank == 0 else None, "verify")
+    error: BaseException | None = None
+    verified = None
+    try:
+        manifest = parse_manifest(shared.encode(), f"{pending.name}/{MANIFEST}", key)
+        if ranks.rank == 0:
+            verified = verify_generation(store, pending.name, content=False, key=key)
+            if verified.manifest.to_bytes(key) != manifest_bytes:
+                raise CorruptGeneration(pending.name, "committed manifest differs from the one written")
+        if content:  # verify="full"; "fast" relies on what each rank digested while writing
+            verify_share(store, manifest, ranks)
+    except (TrainStateError, OSError) as exc:
+        error = exc
+    try:
+        ranks.check("verify", error)
+    except BaseException:
+        if ranks.rank == 0:
+            _remove_quietly(store, pending.name)  # committed but not verified everywhere: never latest
+        raise
+    outcome: dict[str, Any] = {}
+    if ranks.rank == 0:
+        try:
+            pointer = Pointer(pending.name, verified.manifest_digest, verified.manifest_size,
+                              verified.manifest.digest_algorithm, pending.next_update, pending.kind)
+            store.write_pointer(POINTER if pending.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(key))
+            publisher.published = pending.name
+            outcome = {"info": dataclasses.asdict(GenerationInfo.from_verified(store, verified))}
+        except (TrainStateError, OSError) as exc:
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+            error = exc
+    shared = ranks.broadcast(outcome, "publish")
+    if "error" in shared:
+        if ranks.rank == 0:
+            raise error
+        raise CheckpointFailed("publish", {0: shared["error"]})
+    if ranks.rank == 0:
+        try:
+            publisher.prune({pending.kind: pending.name})
+        except Exception as exc:  # published: cleaning up after it is not the save's failure
+            log.error("%s is published, but pruning after it failed (%r); the next save retries", pending.name, exc)
+    return GenerationInfo(**shared["info"])
+
+
+def verify_share(store: Any, manifest: Manifest, ranks: Ranks) -> None:
+    """Digest this rank's share of a generation's files: the files a rank wrote go to that rank (modulo the
+    world size), so each rank checks what it will load itself; the global files go to rank 0."""
+    owner = {name: r for r, names in enumerate(manifest.ranks) for name in names if not name.startswith(
+        ("state.json", "tensors.safetensors", "dcp-metadata.json"))}
+    for record in manifest.files:
+        if owner.get(record.name, 0) % ranks.world_size != ranks.rank:
+            continue
+        where = f"{manifest.generation}/{record.name}"
+        try:
+            with store.open(manifest.generation, record.name) as stream:
+                size, digest = digest_stream(stream, manifest.digest_algorithm, record.size)
+        except FileNotFoundError:
+            raise CorruptGeneration(where, "missing") from None
+        if (size, digest) != (record.size, record.digest):
+            raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
+
+
+def _remove_quietly(store: Any, name: str) -> None:
+    try:
+        if name in store.generations() or name in store.aside():
+            store.remove(name)
+    except OSError as exc:
+        log.error("could not remove the unverified %s (%r); restore never picks it", name, exc)
+
+

@@ -1,0 +1,277 @@
+"""The multi-rank restore, top to bottom.
+
+1. **choose**: rank 0 orders the candidates (the pointer, then newest
+   first, with the rollback and run checks of a single process) and names
+   them one at a time; every rank opens and holds every file of the
+   candidate, checks its structure and digests its share of the files; all
+   agree. A damaged generation on any rank makes every rank pass over it
+   together.
+2. **check**, before any live object changes: the contract (with the world
+   size), the components, the RNG records; all ranks agree.
+3. **load**: the sharded part through DCP (reading the held files, so what
+   loads is what was verified), then ``set_model_state_dict`` /
+   ``set_optimizer_state_dict``; then everything else, RNG last.
+
+At another world size (``allow_changes=["world_size"]``) the model and
+optimizer reshard exactly through DCP; a :class:`~trainstate.ResumableLoader`
+continues the same global sample order; per-rank RNG streams cannot be mapped
+onto other ranks, so they are left as they are and the continuation is
+reported as statistical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+from ..errors import (CheckpointFailed, CorruptGeneration, NoValidGeneration, PointerRollback, Rejection,
+                      StateMismatch, TrainStateError)
+from ..format.codec import decode
+from ..records import GenerationInfo, RestoreInfo
+from ..restore import Candidates, HeldFiles, candidates, check_run, continue_lineage, expected_run
+from ..state import contract as contract_mod
+from ..state import snapshot
+from ..state.train_state import TrainState
+from ..storage.verify import decode_verified, read_json_file, read_tensors, verify_generation
+from .capture import contract_fields, sharded_state
+from .commit import rank_json, rank_tensors, verify_share
+from .group import Ranks, collective
+from .planner import LoadPlanner
+from .storage import DCP_METADATA, Reader, metadata_from_json
+
+
+class _Partial:
+    """``state`` without its sharded components (and, at another world size, without its RNG streams)."""
+
+    def __init__(self, state: TrainState, sharded: Iterable[str], keep_rng: bool = True):
+        sharded = set(sharded)
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "components", {n: c for n, c in state.components.items() if n not in sharded})
+        object.__setattr__(self, "rngs", state.rngs if keep_rng else {})
+        object.__setattr__(self, "capture_global_rngs", state.capture_global_rngs and keep_rng)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._state, name, value)
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {n: c for n, c in self.components.items() if isinstance(c, torch.nn.Module)}
+
+
+def restore(state: TrainState, ranks: Ranks, store: Any, key: Any, *, generation: str | None = None,
+            allow_changes: Iterable[str] = (), statistical_cuda: bool = False
+            ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+    """Every rank calls it; see the module docstring."""
+    allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
+    held = HeldFiles(store)
+    try:
+        chosen, rejected = _choose(held, ranks, key, generation)
+        if chosen is None:
+            return None, rejected
+        return _load(state, chosen, rejected, held, ranks, allow, statistical_cuda), rejected
+    finally:
+        held.close()
+
+
+# 1. choose ---------------------------------------------------------------------------------------------------
+def _choose(held: HeldFiles, ranks: Ranks, key: Any, generation: str | None) -> tuple[Any, tuple[Rejection, ...]]:
+    order, error = None, None
+    if ranks.rank == 0:
+        try:
+            order = Candidates((generation,), None, (), frozenset(), run=expected_run(held, key)) if generation \
+                else candidates(held, key)
+        except TrainStateError as exc:
+            error = exc
+    plan = None
+    if ranks.rank == 0:
+        plan = {"error": f"{type(error).__name__}: {error}", "rollback": isinstance(error, PointerRollback)} \
+            if error else {"names": list(order.names), "run": order.run,
+                           "rejected": [[r.generation, r.reason] for r in order.rejected]}
+    plan = ranks.broadcast(plan, "choose")
+    if "error" in plan:
+        if error is not None:
+            raise error
+        raise (PointerRollback(plan["error"]) if plan["rollback"] else CheckpointFailed("choose", {0: plan["error"]}))
+    rejected = [Rejection(g, r) for g, r in plan["rejected"]]
+    for name in plan["names"]:
+        problem = ""
+        verified = None
+        try:
+            pointer = order.pointer if order is not None and name == order.pointer_generation else None
+            verified = verify_generation(held, name, pointer, content=False, key=key)
+            check_run(verified.manifest, plan["run"])
+            if not verified.manifest.ranks:
+                raise StateMismatch(f"{name} was written by a single process; restore it without torchrun (or "
+                                    "save it again from a multi-rank run)")
+            for record in verified.manifest.files:  # hold every file: what loads later is what is verified now
+                held.open(name, record.name).close()
+            verify_share(held, verified.manifest, ranks)
+            parts = _read(held, verified.manifest, ranks)
+        except (CorruptGeneration, OSError) as exc:
+            problem = f"{exc}"
+        except StateMismatch as exc:
+            problem = f"!{exc}"
+        reports = ranks.all_gather(problem, "verify")
+        fatal = [r[1:] for r in reports if r.startswith("!")]
+        if fatal:
+            raise StateMismatch(fatal[0])
+        failed = {r: text for r, text in enumerate(reports) if text}
+        if not failed:
+            return (verified, parts), tuple(rejected)
+        rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))
+    if not plan["names"] and not rejected:
+        return None, ()
+    raise NoValidGeneration(held.location, rejected)
+
+
+# 2. check, 3. load ------------------------------------------------------------------------------------------
+def _read(held: HeldFiles, manifest: Any, ranks: Ranks) -> dict:
+    """Every small file this rank needs, parsed and decoded: damage here is damage to the generation."""
+    name = manifest.generation
+    payload = decode_verified(held, manifest)
+    sharded = _sharded_record(payload, name)
+    saved_world = sharded["world_size"]
+    wanted = [ranks.rank] if saved_world == ranks.world_size else list(range(saved_world))
+    records = {r: _rank_record(held, manifest, r) for r in wanted}
+    metadata = metadata_from_json(read_json_file(held, manifest, DCP_METADATA), f"{name}/{DCP_METADATA}",
+                                  {f.name for f in manifest.files if f.name.startswith("shard-")})
+    return {"payload": payload, "sharded": sharded, "records": records, "metadata": metadata}
+
+
+def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held: HeldFiles, ranks: Ranks,
+          allow: list[str], statistical_cuda: bool) -> RestoreInfo:
+    verified, parts = chosen
+    manifest = verified.manifest
+    name = manifest.generation
+    payload, sharded, metadata = parts["payload"], parts["sharded"], parts["metadata"]
+    error: BaseException | None = None
+    warnings: list[str] = []
+    accepted: list = []
+    try:
+        accepted = contract_mod.check(payload["contract"]["fields"], contract_fields(state, ranks.world_size),
+                                      name, allow)
+        _check_sharded(state, sharded["components"], name)
+        same_world = sharded["world_size"] == ranks.world_size
+        merged, notes = _merge(state, payload, sharded, parts["records"], ranks.rank, same_world)
+        warnings += notes
+        view = _Partial(state, sharded["components"], keep_rng=same_world)
+        snapshot.check_components(view, merged, name)
+        checked = snapshot.check_before_load(view, merged, statistical_cuda=statistical_cuda)
+    except TrainStateError as exc:
+        error = exc
+    ranks.check("check", error)  # every check passed on every rank before any live object changes
+    templates, _ = sharded_state(state)
+    reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files})
+    with collective("load", ranks):
+        dcp.load(templates, storage_reader=reader, planner=LoadPlanner(), process_group=ranks.group)
+    error = None
+    try:
+        for component, described in sharded["components"].items():
+            if described["kind"] == "module":
+                set_model_state_dict(state.components[component], templates[component])
+            else:
+                set_optimizer_state_dict(state.components[described["owner"]], state.components[component],
+                                         templates[component])
+        warnings += snapshot.apply(view, merged, statistical_cuda=statistical_cuda, checked=checked)
+    except (TrainStateError, RuntimeError, ValueError, KeyError) as exc:
+        error = StateMismatch(f"loading {name} failed after the checks passed ({type(exc).__name__}: {exc}); live "
+                              "objects may hold part of it: rebuild them before restoring again")
+    ranks.check("apply", error)
+    if accepted:
+        state.history.append({"event": "contract_change", "restored_from": name, "next_update": state.next_update,
+                              "changes": [{"field": c.field, "old": c.old, "new": c.new} for c in accepted]})
+    for component in state.components.values():
+        report = getattr(component, "restore_warnings", None)
+        warnings += list(report()) if callable(report) else []
+    state.parent = name
+    state.lineage = ranks.broadcast(continue_lineage(held, manifest) if ranks.rank == 0 else None, "lineage")
+    return RestoreInfo(GenerationInfo.from_verified(held, verified), rejected, tuple(accepted), tuple(warnings))
+
+
+def _sharded_record(payload: dict, where: str) -> dict:
+    sharded = payload.get("sharded")
+    ok = (type(sharded) is dict and set(sharded) == {"world_size", "components", "settings", "rank_local"}
+          and type(sharded["world_size"]) is int and sharded["world_size"] >= 1
+          and type(sharded["components"]) is dict and type(sharded["rank_local"]) is dict
+          and all(type(d) is dict and d.get("kind") in ("module", "optimizer") for d in sharded["components"].values()))
+    if not ok:
+        raise CorruptGeneration(f"{where}/state.json", "malformed multi-rank record")
+    return sharded
+
+
+def _check_sharded(state: TrainState, saved: dict, name: str) -> None:
+    """The sharded components: the same names, kinds and (for optimizers) classes as the live ones."""
+    live = {n: "module" if isinstance(c, torch.nn.Module) else "optimizer" for n, c in state.components.items()
+            if isinstance(c, (torch.nn.Module, torch.optim.Optimizer))}
+    if {n: d["kind"] for n, d in saved.items()} != live:
+        raise StateMismatch(f"{name} holds sharded components {sorted(saved)} but this TrainState has modules and "
+                            f"optimizers {sorted(live)}; construct it with the same component names")
+    for component, described in saved.items():
+        live_type = snapshot._type_name(state.components[component])
+        if described["kind"] == "optimizer" and described["type"] != live_type:
+            raise StateMismatch(f"component {component!r}: {name} saved a {described['type']!r}, this run has a "
+                                f"{live_type!r}")
+
+
+def _merge(state: TrainState, payload: dict, sharded: dict, records: dict[int, dict], rank: int,
+           same_world: bool) -> tuple[dict, list[str]]:
+    """The payload of everything but the sharded part, for this rank: global sections plus its per-rank record."""
+    merged = {k: v for k, v in payload.items() if k not in ("sharded",)}
+    merged["components"] = dict(payload["components"])
+    local = sharded["rank_local"]
+    if same_world:
+        record = records[rank]
+        merged["rng"] = record["rng"]
+        merged["components"].update(record["components"])
+        for key in ("counters", "facts"):
+            if local.get(key):
+                merged[key] = record[key]
+        if local.get("tokens_seen"):
+            merged["clocks"] = {**merged["clocks"], "tokens_seen": record["tokens_seen"]}
+        return merged, []
+    saved_world = sharded["world_size"]
+    records = [records[r] for r in range(saved_world)]
+    streams = (["python", "numpy", "torch"] if state.capture_global_rngs else []) + sorted(state.rngs)
+    notes = [f"the run was saved at world size {saved_world} and restored at another: the per-rank RNG streams "
+             f"({', '.join(streams) or 'none'}) cannot be mapped onto other ranks and continue from this process's "
+             "own, statistically, not bitwise"]
+    for component in local.get("components", []):
+        live = state.components.get(component)
+        if not callable(getattr(live, "resharded_state", None)):
+            raise StateMismatch(f"component {component!r} differs between ranks and cannot be resharded to another "
+                                "world size (only a ResumableLoader can); restore at the saved world size")
+        resharded, more = live.resharded_state([r["components"][component]["state"] for r in records])
+        notes += more
+        merged["components"][component] = {"type": records[0]["components"][component]["type"], "state": resharded}
+    for key in ("counters", "facts"):
+        if local.get(key):
+            merged[key] = records[min(rank, saved_world - 1)][key]
+            notes.append(f"{key} differed between ranks; this rank continues with rank {min(rank, saved_world - 1)}'s")
+    merged.pop("rng", None)
+    return merged, notes
+
+
+def _rank_record(held: HeldFiles, manifest: Any, rank: int) -> dict:
+    raw = read_json_file(held, manifest, rank_json(rank))
+    where = f"{manifest.generation}/{rank_json(rank)}"
+    if raw.get("format") != "trainstate-rank" or raw.get("rank") != rank:
+        raise CorruptGeneration(where, "not this rank's record")
+    tensors = read_tensors(held, manifest, rank_tensors(rank))
+    out = {"rng": decode(raw.get("rng", {}), "rng", tensors), "components": {}}
+    for name, component in (raw.get("components") or {}).items():
+        if type(component) is not dict or set(component) != {"type", "state"}:
+            raise CorruptGeneration(where, f"malformed component {name!r:.60}")
+        out["components"][name] = {"type": component["type"], "state": decode(component["state"], name, tensors)}
+    if "counters" in raw:
+        out["counters"] = raw["counters"]
+    if "facts" in raw:
+        out["facts"] = decode(raw["facts"], "facts", tensors)
+    if "tokens_seen" in raw:
+        out["tokens_seen"] = raw["tokens_seen"]
+    return out

@@ -1,0 +1,261 @@
+"""A pickle-free storage layer for ``torch.distributed.checkpoint``.
+
+DCP decides *what* each rank writes (planning, deduplication of replicated
+items, resharding on load); this layer decides *how*. It is not a
+``FileSystemWriter`` subclass, because every part of that format is pickle:
+its ``.metadata`` is ``pickle.dump``-ed and ``pickle.load``-ed, its data files
+are ``torch.save`` archives. Here:
+
+- each rank's items go into one safetensors file, ``shard-<rank>.safetensors``,
+  written by the same staging code as a single-process generation (digest
+  beside the write, fsync, read-back); entries are named ``<fqn>@<offsets>``;
+- DCP's global metadata is JSON (``dcp-metadata.json``), rebuilt into DCP's
+  ``Metadata`` on read by a strict parser;
+- non-tensor items are trainstate's tagged JSON (see :mod:`.planner`).
+
+Call order (DCP drives it; "coordinator" is rank 0):
+
+1. (every rank) ``prepare_local_plan``: the plan carries this rank's number
+   and the records of the per-rank files it has already written;
+2. (coordinator) ``prepare_global_plan``: checks there is a plan from every rank;
+3. (every rank) ``write_data``: writes, digests and fsyncs its shard file;
+   each :class:`WriteResult` names the file and entry, the first carries the
+   file's record;
+4. (coordinator) ``finish``: writes the metadata JSON, then hands every file
+   record to the commit callback, which writes the manifest and commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..errors import CorruptGeneration, TrainStateError
+from ..format import tensorfile
+from ..format.manifest import FileRecord
+
+DCP_METADATA = "dcp-metadata.json"
+_FORMAT = "trainstate-dcp-metadata"
+
+
+def shard_file(rank: int) -> str:
+    return f"shard-{rank:05d}.safetensors"
+
+
+def entry_name(index: MetadataIndex) -> str:
+    offsets = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
+    return f"{index.fqn}@{offsets}"
+
+
+# metadata <-> JSON -------------------------------------------------------------------------------------
+def metadata_to_json(metadata: Metadata) -> bytes:
+    items: dict[str, Any] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            items[fqn] = {"bytes": True}
+            continue
+        props = item.properties
+        if props.layout != torch.strided:
+            raise TrainStateError(f"{fqn}: only strided (dense) tensors are stored, not {props.layout}")
+        items[fqn] = {"dtype": tensorfile.dtype_name(props.dtype), "requires_grad": bool(props.requires_grad),
+                      "size": [int(s) for s in item.size],
+                      "chunks": [[[int(o) for o in c.offsets], [int(s) for s in c.sizes]] for c in item.chunks]}
+    planner = {fqn: list(path) for fqn, path in (metadata.planner_data or {}).items()}
+    storage = [[index.fqn, None if index.offset is None else [int(o) for o in index.offset], info["file"],
+                info["entry"]] for index, info in (metadata.storage_data or {}).items()]
+    data = {"format": _FORMAT, "version": metadata.version, "items": items, "planner_data": planner,
+            "storage": sorted(storage, key=lambda s: (s[0], s[1] or []))}
+    return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+
+
+def metadata_from_json(raw: dict, where: str, files: set[str]) -> Metadata:
+    """DCP's ``Metadata`` from its parsed JSON, checking every field; ``files``: the shard files the manifest lists."""
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CorruptGeneration(where, what)
+
+    def ints(value: Any, n: int | None = None) -> bool:
+        return type(value) is list and all(type(v) is int and v >= 0 for v in value) and (n is None or len(value) == n)
+
+    need(set(raw) == {"format", "version", "items", "planner_data", "storage"} and raw["format"] == _FORMAT,
+         "not trainstate DCP metadata")
+    need(raw["version"] is None or type(raw["version"]) is str, "malformed version")
+    need(type(raw["items"]) is dict and type(raw["planner_data"]) is dict and type(raw["storage"]) is list,
+         "malformed sections")
+    items: dict[str, Any] = {}
+    for fqn, item in raw["items"].items():
+        need(type(item) is dict, f"malformed item {fqn!r:.80}")
+        if item == {"bytes": True}:
+            items[fqn] = BytesStorageMetadata()
+            continue
+        need(set(item) == {"dtype", "requires_grad", "size", "chunks"} and type(item["requires_grad"]) is bool
+             and type(item["dtype"]) is str and ints(item["size"]) and type(item["chunks"]) is list,
+             f"malformed tensor item {fqn!r:.80}")
+        size = item["size"]
+        chunks = []
+        for chunk in item["chunks"]:
+            need(type(chunk) is list and len(chunk) == 2 and ints(chunk[0], len(size)) and ints(chunk[1], len(size))
+                 and all(o + s <= d for o, s, d in zip(chunk[0], chunk[1], size)), f"malformed chunk of {fqn!r:.80}")
+            chunks.append(ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1])))
+        props = TensorProperties(dtype=tensorfile.torch_dtype(item["dtype"], where),
+                                 requires_grad=item["requires_grad"])
+        items[fqn] = TensorStorageMetadata(props, torch.Size(size), chunks)
+    planner = {}
+    for fqn, path in raw["planner_data"].items():
+        need(type(path) is list and path and all(type(p) in (str, int) for p in path), f"malformed path {fqn!r:.80}")
+        planner[fqn] = tuple(path)
+    storage = {}
+    for record in raw["storage"]:
+        need(type(record) is list and len(record) == 4 and type(record[0]) is str and record[0] in items
+             and (record[1] is None or ints(record[1])) and record[2] in files and type(record[3]) is str,
+             f"malformed storage record {record!r:.120}")
+        storage[MetadataIndex(record[0], record[1])] = {"file": record[2], "entry": record[3]}
+    return Metadata(state_dict_metadata=items, planner_data=planner, storage_data=storage, version=raw["version"])
+
+
+# writing -----------------------------------------------------------------------------------------------
+class Writer(StorageWriter):
+    """Writes one rank's DCP items into the shared staging directory (see the module docstring)."""
+
+    def __init__(self, staging: Any, rank: int, world_size: int, rank_files: list[FileRecord],
+                 on_finish: Callable[[bytes, list[FileRecord]], None]):
+        self.staging, self.rank, self.world_size = staging, rank, world_size
+        self.rank_files = rank_files
+        self.on_finish = on_finish
+        self.plan_files: dict[int, list[FileRecord]] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return dataclasses.replace(plan, storage_data={"rank": self.rank,
+                                                       "files": [dataclasses.astuple(f) for f in self.rank_files]})
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        ranks = [p.storage_data.get("rank") if isinstance(p.storage_data, dict) else None for p in plans]
+        if ranks != list(range(self.world_size)):
+            raise TrainStateError(f"plans came from ranks {ranks}, not from each of the {self.world_size} ranks")
+        self.plan_files = {p.storage_data["rank"]: [FileRecord(*f) for f in p.storage_data["files"]] for p in plans}
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        tensors: dict[str, torch.Tensor] = {}
+        results = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                tensor = torch.frombuffer(bytearray(data.getvalue()), dtype=torch.uint8)
+            else:
+                tensor = data.detach()
+                tensor = tensor if tensor.device.type == "cpu" else tensor.cpu()
+            name = entry_name(item.index)
+            tensors[name] = tensor
+            results.append(WriteResult(index=item.index, size_in_bytes=tensor.nbytes,
+                                       storage_data={"file": shard_file(self.rank), "entry": name}))
+        if tensors:
+            layout = tensorfile.plan(tensors)
+            # stable: CPU memory nobody changes while this runs (training waits for a blocking save; a
+            # background save writes from its own copy)
+            record = self.staging.write(shard_file(self.rank), tensorfile.chunks(layout, tensors), stable=True)
+            results[0] = WriteResult(results[0].index, results[0].size_in_bytes,
+                                     {**results[0].storage_data, "record": dataclasses.astuple(record)})
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage, shards = {}, []
+        for rank_results in results:
+            for result in rank_results:
+                storage[result.index] = {"file": result.storage_data["file"], "entry": result.storage_data["entry"]}
+                if "record" in result.storage_data:
+                    shards.append(FileRecord(*result.storage_data["record"]))
+        missing = [r for r in range(self.world_size) if r not in self.plan_files]
+        if missing:
+            raise TrainStateError(f"no file records from ranks {missing}")
+        metadata.storage_data = storage
+        data = metadata_to_json(metadata)
+        records = [f for r in range(self.world_size) for f in self.plan_files[r]] + shards
+        records.append(self.staging.write(DCP_METADATA, [data]))
+        self.on_finish(data, records)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+# reading -----------------------------------------------------------------------------------------------
+class Reader(StorageReader):
+    """Reads DCP items from a verified generation's shard files, through ``store`` (files held open)."""
+
+    def __init__(self, store: Any, generation: str, metadata: Metadata, sizes: dict[str, int]):
+        self.store, self.generation, self.metadata, self.sizes = store, generation, metadata, sizes
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future[None]:
+        by_file: dict[str, dict[str, list]] = {}
+        for request in plan.items:
+            info = self.metadata.storage_data.get(request.storage_index)
+            if info is None:
+                raise CorruptGeneration(self.generation, f"no stored item for {request.storage_index.fqn!r:.80}")
+            by_file.setdefault(info["file"], {}).setdefault(info["entry"], []).append(request)
+        for file, entries in by_file.items():
+            where = f"{self.generation}/{file}"
+            with self.store.open(self.generation, file) as stream:
+                layout = tensorfile.parse_header(stream, self.sizes[file], where)
+                index = {e.name: e for e in layout.entries}
+                for name, requests in entries.items():
+                    if name not in index:
+                        raise CorruptGeneration(where, f"has no entry {name!r:.80}")
+                    tensor = tensorfile.read_tensor(stream, layout, index[name], where)
+                    for request in requests:
+                        self._deliver(request, tensor, planner, where)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    @staticmethod
+    def _deliver(request: Any, tensor: torch.Tensor, planner: Any, where: str) -> None:
+        if request.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(request, io.BytesIO(tensor.numpy().tobytes()))
+            return
+        source = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+        target = planner.resolve_tensor(request).detach()
+        if target.size() != source.size() or target.dtype != source.dtype:
+            raise CorruptGeneration(where, f"{request.storage_index.fqn!r:.80}: stored {tuple(source.shape)} "
+                                           f"{source.dtype}, expected {tuple(target.shape)} {target.dtype}")
+        target.copy_(source)
+        planner.commit_tensor(request, target)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False

@@ -1,0 +1,298 @@
+"""The few object-store requests trainstate makes, through ``obstore``, with its errors made ours.
+
+``obstore`` (Rust's ``object_store``) speaks S3, GCS and Azure behind one API,
+with the conditional puts this protocol needs (create-only, and replace only
+if the ETag still matches), multipart uploads, and a bounded retry with
+backoff for 5xx answers, timeouts and connection resets. Credentials, region
+and endpoint come from the environment, as each cloud's own tools read them
+(``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``,
+``AZURE_STORAGE_ACCOUNT_NAME`` ...), or from ``storage_options``, which win.
+
+Errors: a permanent refusal (403, bad credentials, a missing bucket) raises at
+once with a message naming the bucket and the setting to fix; a transient one
+that outlasts the retries raises :class:`~trainstate.errors.StorageUnavailable`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from ..errors import InvalidArgument, StorageAccessDenied, StorageNotFound, StorageUnavailable
+
+SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+_SETTINGS = {"s3": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or storage_options access_key_id/secret_access_key)",
+             "gs": "GOOGLE_APPLICATION_CREDENTIALS (or storage_options service_account_path)",
+             "az": "AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY (or storage_options account_name/account_key)"}
+T = TypeVar("T")
+_BACKOFF_S = (0.1, 0.3, 1.0, 3.0)  # our own retries of a replayable request, after the client's
+
+
+class Taken(Exception):
+    """A create-only put found the object already there."""
+
+
+class Precondition(Exception):
+    """A compare-and-swap found another version than the one expected."""
+
+
+class Missing(Exception):
+    """The object is not there."""
+
+
+def is_url(location: str) -> bool:
+    return urlsplit(str(location)).scheme in SCHEMES
+
+
+class Client:
+    """One bucket and prefix; every method maps the store's errors onto trainstate's."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        from obstore.store import from_url  # an extra: `pip install trainstate[s3]`
+
+        parts = urlsplit(url)
+        if parts.scheme not in SCHEMES or not parts.netloc:
+            raise InvalidArgument(f"{url!r} is not an object-store URL; use s3://bucket/prefix, gs://bucket/prefix "
+                                  "or az://container/prefix")
+        self.url = url.rstrip("/")
+        self.bucket = parts.netloc
+        self.setting = _SETTINGS.get(parts.scheme, _SETTINGS["az"])
+        options = dict(storage_options or {})
+        try:
+            self.store = from_url(self.url, **options)
+        except Exception as exc:  # an unknown option, a malformed endpoint
+            raise InvalidArgument(f"cannot use {url!r} with storage_options {sorted(options)}: {exc}") from None
+
+    # mapping -----------------------------------------------------------------
+    def _call(self, what: str, key: str, fn: Callable[[], T], *, replayable: bool = True) -> T:
+        """``fn`` with the store's errors mapped; a transient failure is tried again (bounded) when the request
+        can be replayed. The client retries 5xx answers itself, but not a connection that broke mid-request
+        for a conditional put: the caller resolves that ambiguity (a create that had landed reads back as
+        ours), so replaying here never commits twice."""
+        for delay in (*_BACKOFF_S, None) if replayable else (None,):
+            try:
+                return self._mapped(what, key, fn)
+            except StorageUnavailable:
+                if delay is None:
+                    raise
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _mapped(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        from obstore import exceptions as ox
+
+        where = f"{self.url}/{key}" if key else self.url
+        try:
+            return fn()
+        except ox.AlreadyExistsError:
+            raise Taken(where) from None
+        except (ox.PreconditionError, ox.NotModifiedError):
+            raise Precondition(where) from None
+        except (FileNotFoundError, ox.NotFoundError) as exc:
+            if "NoSuchBucket" in str(exc) or "ContainerNotFound" in str(exc):
+                raise StorageNotFound(f"{what} {where}: the bucket {self.bucket!r} does not exist (or this "
+                                      "endpoint does not serve it); create it, or fix the URL or the endpoint "
+                                      "(storage_options endpoint / AWS_ENDPOINT_URL)") from None
+            raise Missing(where) from None
+        except (PermissionError, ox.PermissionDeniedError, ox.UnauthenticatedError) as exc:
+            raise StorageAccessDenied(f"{what} {where}: access denied ({_first_line(exc)}); check the credentials "
+                                      f"and their permissions on bucket {self.bucket!r}: {self.setting}") from None
+        except (ox.BaseError, OSError) as exc:
+            text = str(exc)
+            if "403" in text or "Forbidden" in text or "AccessDenied" in text or "SignatureDoesNotMatch" in text:
+                raise StorageAccessDenied(f"{what} {where}: access denied ({_first_line(exc)}); check the "
+                                          f"credentials and their permissions on bucket {self.bucket!r}: "
+                                          f"{self.setting}") from None
+            raise StorageUnavailable(f"{what} {where} failed after the client's retries: {_first_line(exc)}. "
+                                     "Nothing was committed by this request; check the endpoint and the network, "
+                                     "then retry (a save can simply be called again)") from None
+
+    # requests ----------------------------------------------------------------
+    def put(self, key: str, data: bytes, *, create: bool = False, e_tag: str | None = None) -> str:
+        """Write a small object whole; ``create``: only if absent; ``e_tag``: only if still that version."""
+        import obstore
+
+        mode: Any = "create" if create else ({"e_tag": e_tag} if e_tag is not None else "overwrite")
+        result = self._call("writing", key, lambda: obstore.put(self.store, key, data, mode=mode,
+                                                                 use_multipart=False))
+        return result["e_tag"] or ""
+
+    def put_stream(self, key: str, views: Iterator[memoryview], part_size: int) -> None:
+        """Upload what ``views`` yields: one request when it all fits in a part, else a multipart upload."""
+        import obstore
+
+        first = next(views, memoryview(b""))
+        second = next(views, None) if len(first) < part_size else None
+        if second is None and len(first) < part_size:
+            self._call("uploading", key, lambda: obstore.put(self.store, key, bytes(first), use_multipart=False))
+            return
+
+        def chained() -> Iterator[memoryview]:
+            yield first
+            if second is not None:
+                yield second
+            yield from views
+
+        self._call("uploading", key, lambda: obstore.put(self.store, key, chained(), chunk_size=part_size,
+                                                         max_concurrency=8), replayable=False)
+
+    def head(self, key: str) -> int | None:
+        import obstore
+
+        try:
+            return int(self._call("reading", key, lambda: obstore.head(self.store, key))["size"])
+        except Missing:
+            return None
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        import obstore
+
+        try:
+            def fetch() -> tuple[bytes, str]:
+                result = obstore.get(self.store, key)
+                return bytes(result.bytes()), result.meta["e_tag"] or ""
+
+            return self._call("reading", key, fetch)
+        except Missing:
+            return None
+
+    def get_small(self, key: str) -> bytes | None:
+        got = self.get_versioned(key)
+        return None if got is None else got[0]
+
+    def names(self, prefix: str, *, folders: bool = False) -> list[str]:
+        """Names directly under ``prefix`` (``folders``: the sub-prefixes instead of the objects)."""
+        import obstore
+
+        listing = self._call("listing", prefix, lambda: obstore.list_with_delimiter(self.store, prefix.rstrip("/")))
+        if folders:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in listing["common_prefixes"]]
+        return [o["path"].rsplit("/", 1)[-1] for o in listing["objects"]]
+
+    def listing(self, prefix: str) -> dict[str, int]:
+        """Every object under ``prefix``, recursively: path to size."""
+        import obstore
+
+        def collect() -> dict[str, int]:
+            out: dict[str, int] = {}
+            for batch in obstore.list(self.store, prefix=prefix.rstrip("/")):
+                for meta in batch:
+                    out[meta["path"]] = int(meta["size"])
+            return out
+
+        return self._call("listing", prefix, collect)
+
+    def delete(self, key: str) -> None:
+        import obstore
+
+        with contextlib.suppress(Missing):
+            self._call("deleting", key, lambda: obstore.delete(self.store, key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        import obstore
+
+        paths = sorted(self.listing(prefix))
+        for start in range(0, len(paths), 1000):
+            batch = paths[start:start + 1000]
+            with contextlib.suppress(Missing):
+                self._call("deleting", prefix, lambda: obstore.delete(self.store, batch))
+
+    def reader(self, key: str) -> Any:
+        """A seekable stream of one object, every range pinned to the version first seen (If-Match)."""
+        import obstore
+
+        try:
+            meta = self._call("reading", key, lambda: obstore.head(self.store, key))
+        except Missing:
+            raise FileNotFoundError(f"{self.url}/{key}") from None
+        e_tag, size = meta["e_tag"], int(meta["size"])
+
+        def open_range(offset: int) -> Iterator[memoryview]:
+            options: Any = {"range": {"offset": offset}} if offset else {}
+            if e_tag:
+                options["if_match"] = e_tag
+            try:
+                result = self._call("reading", key, lambda: obstore.get(self.store, key, options=options))
+            except (Missing, Precondition):
+                raise FileNotFoundError(f"{self.url}/{key} was removed or replaced while being read") from None
+            stream = result.stream(min_chunk_size=8 << 20)
+            return _views(functools.partial(self._call, "reading", key, replayable=False), stream)
+
+        return ObjectReader(open_range, size, f"{self.url}/{key}")
+
+
+def _views(call: Callable[[Callable[[], Any]], Any], stream: Any) -> Iterator[memoryview]:
+    while True:
+        try:
+            chunk = call(lambda: next(stream))
+        except StopIteration:
+            return
+        yield memoryview(chunk).cast("B")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+class ObjectReader(io.RawIOBase):
+    """A committed object read as a stream: one GET, ranged again after a seek, pinned to the object's ETag."""
+
+    def __init__(self, open_range: Callable[[int], Iterator[memoryview]], size: int, name: str):
+        self._open_range, self._size, self.name = open_range, size, name
+        self._pos = 0
+        self._chunks: Iterator[memoryview] | None = None
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self._size + offset}[whence]
+        if target != self._pos:
+            self._chunks, self._pending, self._pos = None, memoryview(b""), max(0, target)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        if self._pos >= self._size or len(out) == 0:
+            return 0
+        if not self._pending:
+            if self._chunks is None:
+                self._chunks = self._open_range(self._pos)
+            self._pending = next(self._chunks, memoryview(b""))
+            if not self._pending:
+                return 0
+        n = min(len(out), len(self._pending))
+        out[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        """One copy out of the pending chunk (``RawIOBase.read`` copies twice: into a buffer, then to bytes)."""
+        if size is None or size < 0:
+            return self.readall()
+        if self._pos >= self._size or size == 0:
+            return b""
+        if not self._pending:
+            if self._chunks is None:
+                self._chunks = self._open_range(self._pos)
+            self._pending = next(self._chunks, memoryview(b""))
+            if not self._pending:
+                return b""
+        data = bytes(self._pending[:size])
+        self._pending = self._pending[len(data):]
+        self._pos += len(data)
+        return data

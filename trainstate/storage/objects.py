@@ -1,0 +1,393 @@
+"""Generations in an object store (S3, GCS, Azure, through ``obstore``): no rename, so a commit record instead.
+
+Layout under the run's URL (``s3://bucket/runs/exp1``)::
+
+    attempts/<gen>-<token>/<file>     every file of one save attempt, the manifest last
+    staging/<gen>-<token>             marks an attempt begun (what ``join`` finds, what cleanup removes)
+    commits/<gen>                     the commit record: names the attempt that *is* the generation
+    aside/<gen>.<reason>-<token>      a set-aside generation's record (its files stay where they are)
+    latest, latest-weights, pins, run-identity     small objects, replaced by compare-and-swap
+    lock, mutex-<name>                advisory leases
+
+Publication of one generation::
+
+    put     attempts/<gen>-<token>/<file>, digested beside the upload (multipart when large)
+    put     attempts/<gen>-<token>/manifest.json        last
+    put     commits/<gen>  (create-only)                 stands in for rename: one committer wins
+    delete  staging/<gen>-<token>
+
+A reader sees a generation only through its commit record, so an attempt is
+invisible until the record exists and complete once it does. Object-store
+ETags are not content digests (a multipart ETag never is): trainstate's own
+digests, in the manifest, are the integrity check, verified on read.
+
+Every request goes through the client's bounded retry (5xx, timeouts, resets).
+A retried create-only put that had in fact landed answers "already exists":
+the record is read back, and if it names this attempt the commit stands, so a
+retry never commits twice and never reports a lost race that was won.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, BinaryIO
+
+from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, RunDirectoryGone
+from ..format.digest import new_hasher
+from ..format.manifest import POINTER, WEIGHTS_POINTER, FileRecord, newest_first
+from .objectclient import Client, Missing, Precondition, Taken
+from .multipart import OpenUploads
+from .posix import coalesce
+
+__all__ = ["ObjectStaging", "ObjectStore"]
+
+_TOKEN = r"[0-9a-f]{16}"
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}"
+_ATTEMPT_RE = re.compile(rf"({_NAME})-({_TOKEN})")
+_ASIDE_RE = re.compile(rf"(gen-\d{{12}}(?:-weights)?)\.(rejected|abandoned|superseded)-{_TOKEN}")
+ASIDE_REASONS = ("rejected", "abandoned", "superseded")
+_RECORD = "trainstate-commit"
+PART_SIZE = 16 << 20  # multipart part size: large enough for throughput, small enough to bound memory
+
+
+def _token() -> str:
+    return secrets.token_hex(8)
+
+
+def _record(generation: str, attempt: str) -> bytes:
+    return json.dumps({"format": _RECORD, "generation": generation, "attempt": attempt}).encode()
+
+
+def _parse_record(data: bytes, where: str) -> str:
+    """The attempt a commit (or aside) record names."""
+    try:
+        raw = json.loads(data)
+        attempt = raw["attempt"]
+        if raw.get("format") != _RECORD or not isinstance(attempt, str) or not _ATTEMPT_RE.fullmatch(attempt):
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        raise CorruptGeneration(where, "is not a trainstate commit record") from None
+    return attempt
+
+
+class ObjectStaging:
+    """One save attempt: files under ``attempts/<gen>-<token>/``, invisible until :meth:`commit`."""
+
+    def __init__(self, store: ObjectStore, generation: str, joined: str | None = None):
+        self.generation = generation
+        self._store = store
+        if joined is None:
+            self.name = f"{generation}-{_token()}"
+            store.client.put(f"staging/{self.name}", _marker(), create=True)
+        else:  # another rank's attempt: it must exist (rank 0 began it), and be of this generation
+            match = _ATTEMPT_RE.fullmatch(joined)
+            if match is None or match.group(1) != generation:
+                raise ValueError(f"{joined!r} is not a staging area of {generation}")
+            if store.client.head(f"staging/{joined}") is None:
+                raise FileNotFoundError(f"{store.location}: the staging area {joined} (begun by rank 0) does "
+                                        "not exist; every rank must use the same run URL")
+            self.name = joined
+        self.prefix = f"attempts/{self.name}/"
+
+    def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False) -> FileRecord:
+        """Upload one file, digesting every byte as it is handed to the client; multipart when large."""
+        hasher = new_hasher(self._store.digest_algorithm)
+        size = 0
+
+        def digested() -> Iterator[memoryview]:
+            nonlocal size
+            for view in coalesce(chunks, PART_SIZE):
+                hasher.update(view)
+                size += len(view)
+                yield view
+
+        self._store.client.put_stream(self.prefix + file, digested(), PART_SIZE)
+        landed = self._store.client.head(self.prefix + file)
+        if landed is None or landed != size:
+            raise CorruptGeneration(f"{self.generation}/{file}", f"uploaded {size} bytes, the store holds "
+                                    f"{landed if landed is not None else 'nothing'}; the attempt was abandoned")
+        return FileRecord(file, size, hasher.hexdigest())
+
+    def commit(self) -> None:
+        """The create-only commit record: the one moment the generation becomes visible."""
+        client, key = self._store.client, f"commits/{self.generation}"
+        try:
+            client.put(key, _record(self.generation, self.name), create=True)
+        except Taken:
+            if self._store._attempt(self.generation) != self.name:  # not a retry of our own landed put
+                raise GenerationExists(f"{self._store.location}/{key} already exists; a published generation is "
+                                       "never overwritten") from None
+        client.delete(f"staging/{self.name}")
+
+    def abort(self) -> None:
+        """Best effort: whatever stays is a leftover that the next save's cleanup removes."""
+        with contextlib.suppress(Exception):
+            if self._store._attempt_or_none(self.generation) == self.name:
+                return  # committed after all (a commit that raised after landing): never delete a generation
+            self._store._delete_attempt(self.name)
+
+
+def _marker() -> bytes:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+
+
+class ObjectStore:
+    """Generations as immutable objects plus commit records and CAS-replaced pointers; see the module docstring."""
+
+    def __init__(self, url: str, digest_algorithm: str = "blake3", *, storage_options: dict[str, Any] | None = None,
+                 lease_s: float = 60.0, client: Client | None = None):
+        self.location = url.rstrip("/")
+        self.digest_algorithm = digest_algorithm
+        self.client = client if client is not None else Client(url, storage_options)
+        self.lease_s = lease_s
+        self._lease: _Lease | None = None
+        self.uploads = OpenUploads(url, storage_options)
+
+    # reading -----------------------------------------------------------------
+    def generations(self) -> list[str]:
+        return newest_first(self.client.names("commits/"))
+
+    def _attempt_or_none(self, generation: str) -> str | None:
+        data = self.client.get_small(f"commits/{generation}")
+        if data is None and _ASIDE_RE.fullmatch(generation):  # a set-aside generation: kept as evidence
+            data = self.client.get_small(f"aside/{generation}")
+        return None if data is None else _parse_record(data, f"{self.location}/commits/{generation}")
+
+    def _attempt(self, generation: str) -> str:
+        attempt = self._attempt_or_none(generation)
+        if attempt is None:
+            raise FileNotFoundError(f"{self.location}: no generation {generation}")
+        return attempt
+
+    def files(self, generation: str) -> dict[str, int | None]:
+        prefix = f"attempts/{self._attempt(generation)}/"
+        return {path[len(prefix):]: size for path, size in self.client.listing(prefix).items()}
+
+    def open(self, generation: str, file: str) -> BinaryIO:
+        return self.client.reader(f"attempts/{self._attempt(generation)}/{file}")
+
+    def read_pointer(self, name: str) -> bytes | None:
+        data = self.client.get_small(name)
+        if data is not None and len(data) > 1 << 20:
+            raise CorruptGeneration(f"{self.location}/{name}", "is larger than any pointer")
+        return data
+
+    def leftovers(self) -> list[str]:
+        """Attempts that no commit or aside record names: interrupted saves, and prunes that stopped halfway."""
+        named = set(self._named_attempts())
+        # from the objects themselves: some servers (SeaweedFS) keep an emptied "folder" listed
+        found = {path.split("/", 2)[1] for path in self.client.listing("attempts/")}
+        found |= set(self.client.names("staging/"))
+        found |= {key.split("/", 2)[1] for key, _ in self.uploads.listed("attempts/")}
+        return sorted(a for a in found if a not in named and _ATTEMPT_RE.fullmatch(a))
+
+    def _named_attempts(self) -> Iterator[str]:
+        for folder, names in (("commits", self.client.names("commits/")), ("aside", self.client.names("aside/"))):
+            for name in names:
+                data = self.client.get_small(f"{folder}/{name}")
+                if data is not None:
+                    with contextlib.suppress(CorruptGeneration):
+                        yield _parse_record(data, f"{folder}/{name}")
+
+    # writing -----------------------------------------------------------------
+    def begin(self, generation: str) -> ObjectStaging:
+        if not re.fullmatch(_NAME, generation):
+            raise ValueError(f"{generation!r} cannot name a generation in an object store")
+        return ObjectStaging(self, generation)
+
+    def join(self, generation: str, staging: str) -> ObjectStaging:
+        return ObjectStaging(self, generation, staging)
+
+    def write_pointer(self, name: str, data: bytes) -> None:
+        """Replace ``name`` by compare-and-swap, re-reading on a lost race; never backwards for ``latest``.
+
+        ``latest`` (and ``latest-weights``) never moves from a generation that
+        is still committed to an older one: that would be another writer
+        racing ahead of this one, and this one stops with :class:`DirectoryLocked`.
+        """
+        for _ in range(64):
+            current = self.client.get_versioned(name)
+            if current is not None and current[0] == data:
+                return
+            if current is not None and name in (POINTER, WEIGHTS_POINTER):
+                self._refuse_backwards(name, current[0], data)
+            try:
+                self.client.put(name, data, create=current is None, e_tag=current[1] if current else None)
+                return
+            except (Taken, Precondition):
+                continue  # someone else replaced it meanwhile (or our retried put landed): look again
+        raise DirectoryLocked(f"{self.location}/{name} kept changing under this writer (64 attempts): another "
+                              "process is writing this run; give each run its own URL")
+
+    def _refuse_backwards(self, name: str, current: bytes, new: bytes) -> None:
+        def fields(data: bytes) -> tuple[str, int] | None:
+            try:
+                raw = json.loads(data)
+                return str(raw["generation"]), int(raw["next_update"])
+            except (ValueError, KeyError, TypeError):
+                return None  # garbage: replacing it is always right
+
+        now, then = fields(current), fields(new)
+        if now and then and now[1] > then[1] and now[0] in self.generations():
+            raise DirectoryLocked(
+                f"{self.location}/{name} names {now[0]} (update {now[1]}), newer than {then[0]} which this writer "
+                "publishes: another writer is ahead on this run. The pointer was left alone; give each run its "
+                "own URL, and let only one job write it")
+
+    def remove(self, generation: str) -> None:
+        """The commit record first (the generation is gone at once), then its objects."""
+        attempt = self._attempt_or_none(generation)
+        folder = "aside" if _ASIDE_RE.fullmatch(generation) else "commits"
+        self.client.delete(f"{folder}/{generation}")
+        if attempt is not None:
+            self._delete_attempt(attempt)
+
+    def _delete_attempt(self, attempt: str) -> None:
+        for key, upload_id in self.uploads.listed(f"attempts/{attempt}/"):
+            self.uploads.abort(key, upload_id)
+        self.client.delete_prefix(f"attempts/{attempt}/")
+        self.client.delete(f"staging/{attempt}")
+
+    def set_aside(self, generation: str, reason: str) -> str:
+        if reason not in ASIDE_REASONS:
+            raise ValueError(f"reason must be one of {ASIDE_REASONS}, got {reason!r}")
+        aside = f"{generation}.{reason}-{_token()}"
+        attempt = self._attempt(generation)
+        self.client.put(f"aside/{aside}", _record(aside, attempt), create=True)
+        self.client.delete(f"commits/{generation}")
+        return aside
+
+    def aside(self) -> list[str]:
+        return sorted(n for n in self.client.names("aside/") if _ASIDE_RE.fullmatch(n))
+
+    def reinstate(self, aside: str, generation: str) -> None:
+        attempt = self._attempt(aside)
+        try:
+            self.client.put(f"commits/{generation}", _record(generation, attempt), create=True)
+        except Taken:
+            if self._attempt_or_none(generation) != attempt:
+                raise GenerationExists(f"cannot put {aside} back: {self.location}/commits/{generation} exists") \
+                    from None
+        self.client.delete(f"aside/{aside}")
+
+    def clean_leftovers(self) -> list[str]:
+        removed = self.leftovers()
+        for attempt in removed:
+            self._delete_attempt(attempt)
+        return removed
+
+    # leases ------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take (or keep) the run's writer lease; a background thread renews it until :meth:`unlock`."""
+        if self._lease is not None:
+            self._lease.check()
+            return
+        self._lease = _Lease(self.client, "lock", self.lease_s, self.location, renew=True)
+
+    def unlock(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    @contextlib.contextmanager
+    def exclusive(self, name: str) -> Iterator[None]:
+        lease = _Lease(self.client, f"mutex-{name}", 30.0, self.location, renew=False, wait=True)
+        try:
+            yield
+        finally:
+            lease.release()
+
+    def free_bytes(self) -> int | None:
+        return None
+
+
+class _Lease:
+    """An advisory lease object: created create-only, taken over by compare-and-swap once expired.
+
+    A holder on this host whose process is gone is taken over at once (a
+    SIGKILLed job restarted on the same machine does not wait out the lease).
+    The pointer's compare-and-swap, not this lease, is what keeps two writers
+    from losing each other's generations.
+    """
+
+    def __init__(self, client: Client, key: str, ttl_s: float, location: str, *, renew: bool, wait: bool = False):
+        self.client, self.key, self.ttl_s, self.location = client, key, ttl_s, location
+        self.owner = _token()
+        self.lost: str | None = None
+        self._e_tag = self._take(wait)
+        self._stop = threading.Event()
+        if renew:
+            threading.Thread(target=self._renew_loop, name=f"trainstate-lease-{key}", daemon=True).start()
+
+    def _body(self) -> bytes:
+        return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+                           "expires": time.time() + self.ttl_s}).encode()
+
+    def _take(self, wait: bool) -> str:
+        while True:
+            current = self.client.get_versioned(self.key)
+            try:
+                if current is None:
+                    return self.client.put(self.key, self._body(), create=True)
+                holder = _holder(current[0])
+                if holder["expired"] or holder["dead"]:
+                    return self.client.put(self.key, self._body(), e_tag=current[1])
+            except (Taken, Precondition):
+                continue
+            if not wait:
+                raise DirectoryLocked(
+                    f"{self.location} is being written by another process (pid {holder['pid']} on "
+                    f"{holder['host']}, lease for {holder['left']:.0f} s more); only one manager may write a run. "
+                    "Stop the other run, or give this one its own URL.")
+            time.sleep(0.05)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self._e_tag = self.client.put(self.key, self._body(), e_tag=self._e_tag)
+            except (Taken, Precondition, Missing):
+                self.lost = "another process took the lease over"
+                return
+            except Exception:  # a transient outage: try again at the next tick, well before expiry
+                continue
+
+    def check(self) -> None:
+        if self.lost:
+            raise RunDirectoryGone(f"{self.location}: this manager lost its writer lease ({self.lost}); nothing "
+                                   "more is written there. Open a new manager to continue.")
+
+    def release(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            current = self.client.get_versioned(self.key)
+            if current is not None and json.loads(current[0]).get("owner") == self.owner:
+                self.client.delete(self.key)
+
+
+def _holder(data: bytes) -> dict[str, Any]:
+    try:
+        raw = json.loads(data)
+        left = float(raw["expires"]) - time.time()
+        host, pid = str(raw["host"]), int(raw["pid"])
+    except (ValueError, KeyError, TypeError):
+        return {"expired": True, "dead": True, "pid": "?", "host": "?", "left": 0.0}
+    dead = host == socket.gethostname() and not _alive(pid)
+    return {"expired": left <= 0, "dead": dead, "pid": pid, "host": host, "left": left}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
