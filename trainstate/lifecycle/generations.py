@@ -44,6 +44,7 @@ class Lifecycle:
         self.store = store
         self.key = key
         self.hold: Callable[[], set[str]] | None = None  # generations pruning must keep (a mirror not yet there)
+        self._checked: dict[str, tuple[tuple, Manifest]] = {}  # name -> (its file listing, its verified manifest)
 
     # pins --------------------------------------------------------------------
     def pins(self) -> dict[str, str]:
@@ -126,10 +127,29 @@ class Lifecycle:
         out = {}
         for name in names:
             try:
-                out[name] = verify_generation(self.store, name, content=False, key=self.key).manifest
-            except CorruptGeneration:
+                out[name] = self._structure(name)
+            except (CorruptGeneration, FileNotFoundError):
                 continue
+        present = set(names)
+        self._checked = {n: v for n, v in self._checked.items() if n in present}
         return out
+
+    def _structure(self, name: str) -> Manifest:
+        """``name``'s manifest, structurally verified; re-read only when its file listing (names, sizes) changed.
+
+        A published generation never changes, so a save's prune (which looks
+        at every generation) reads only new manifests: at 1,000 generations a
+        directory listing each instead of reading, parsing and checking 1,000
+        manifests. A file truncated, added or removed since changes the listing
+        and is caught as before; restore and ``verify`` always read afresh.
+        """
+        listing = tuple(sorted(self.store.files(name).items(), key=lambda kv: kv[0]))
+        cached = self._checked.get(name)
+        if cached is not None and cached[0] == listing:
+            return cached[1]
+        manifest = verify_generation(self.store, name, content=False, key=self.key).manifest
+        self._checked[name] = (listing, manifest)
+        return manifest
 
     @staticmethod
     def lineage(newest: str | None, manifests: Mapping[str, Manifest]) -> set[str]:

@@ -142,6 +142,8 @@ def _marker() -> bytes:
 class ObjectStore:
     """Generations as immutable objects plus commit records and CAS-replaced pointers; see the module docstring."""
 
+    remote = True  # every read is a download: restore reads each byte once (no second, in-place pass)
+
     def __init__(self, url: str, digest_algorithm: str = "blake3", *, storage_options: dict[str, Any] | None = None,
                  lease_s: float = 60.0, client: Client | None = None):
         self.location = url.rstrip("/")
