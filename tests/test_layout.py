@@ -8,7 +8,7 @@ from pathlib import Path
 import trainstate
 
 PACKAGE = Path(trainstate.__file__).parent
-LAYERS = ("state", "format", "storage", "data", "lifecycle", "cli", "drill")
+LAYERS = ("state", "format", "storage", "data", "lifecycle", "cli", "drill", "tools")
 
 # Every public name before the layout change (issue 10); the surface may grow, never silently shrink.
 PUBLIC_BEFORE = {

@@ -37,6 +37,8 @@ from .lifecycle.retention import Retention
 from .manager import Cadence, CheckpointManager, GenerationInfo, RestoreInfo, Status
 from .state.contract import fingerprint
 from .state.train_state import TrainState
+from .tools.diff import DiffReport, diff
+from .tools.export import ExportInfo, export
 from .warmstart import WarmStartInfo, warm_start
 
 __all__ = [
@@ -47,9 +49,11 @@ __all__ = [
     "ContractMismatch",
     "CorruptGeneration",
     "DataMismatch",
+    "DiffReport",
     "DirectoryLocked",
     "EXIT_PREEMPTED",
     "ExistingRun",
+    "ExportInfo",
     "FieldChange",
     "GenerationExists",
     "GenerationInfo",
@@ -86,7 +90,9 @@ __all__ = [
     "WeightsOnlyGeneration",
     "__version__",
     "data_manifest",
+    "diff",
     "evaluating",
+    "export",
     "fingerprint",
     "sample_generator",
     "warm_start",

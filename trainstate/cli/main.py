@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from . import cost as cli_cost
+from . import diff as cli_diff
+from . import export as cli_export
 from . import lifecycle as cli_lifecycle
 from ..format import signing
 from ..errors import CorruptGeneration, InvalidArgument, TrainStateError
@@ -331,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_discard)
     cli_lifecycle.register(sub)
     cli_cost.add_parser(sub)
+    cli_diff.add_parser(sub)
+    cli_export.add_parser(sub)
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(broken_pipe_status=0)

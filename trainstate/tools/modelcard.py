@@ -1,0 +1,93 @@
+"""The model card (``README.md``) written beside exported weights: what the run recorded, and nothing more.
+
+Pure text from plain records: :func:`render` takes what the export read from a
+verified generation and returns Markdown. Every field the run did not record
+is written as ``not recorded`` rather than guessed, and the fields a release
+needs that a training run cannot know (license, intended use, limitations,
+evaluation protocol) are listed as such for the publisher to fill in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+NOT_RECORDED = "not recorded"
+RELEASE_FIELDS = ("License", "Intended use", "Limitations", "Evaluation protocol")
+
+
+@dataclass(frozen=True)
+class CardFacts:
+    """What the run recorded about the exported generation (read from its manifest and ``state.json``)."""
+
+    generation: str
+    location: str
+    manifest_digest: str
+    digest_algorithm: str
+    created: str
+    next_update: int
+    tokens_seen: int
+    contract_fingerprint: str
+    versions: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    data_manifest: Any = None  # the contract's ``data_manifest`` field; None when the run recorded none
+    component: str = "model"
+    dtype: str | None = None  # the cast applied on export; None: as trained
+    files: tuple[str, ...] = ()
+    total_bytes: int = 0
+    tied: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def _value(value: Any) -> str:
+    if value is None or value == "" or value == {}:
+        return NOT_RECORDED
+    if isinstance(value, str):
+        return f"`{value}`"
+    return f"`{json.dumps(value, sort_keys=True)}`"
+
+
+def render(facts: CardFacts) -> str:
+    """The model card as Markdown."""
+    lines = [
+        f"# Weights exported from {facts.generation}",
+        "",
+        "Exported by `trainstate export` from a verified generation. Every value below was recorded by the "
+        f"training run; a value the run did not record says \"{NOT_RECORDED}\".",
+        "",
+        "## Source",
+        "",
+        f"- Generation: `{facts.generation}` (`{facts.location}`)",
+        f"- Manifest digest: `{facts.digest_algorithm}:{facts.manifest_digest}`",
+        f"- Saved at: {facts.created or NOT_RECORDED}",
+        f"- Update: {facts.next_update}",
+        f"- Tokens seen: {facts.tokens_seen}",
+        f"- Contract fingerprint: `{facts.contract_fingerprint}`",
+        f"- Data manifest: {_value(facts.data_manifest)}",
+        "",
+        "## Versions at save time",
+        "",
+    ]
+    if facts.versions:
+        lines += [f"- {name}: `{facts.versions[name]}`" for name in sorted(facts.versions)]
+    else:
+        lines.append(f"- {NOT_RECORDED}")
+    lines += ["", f"## Metrics recorded with the save (at update {facts.next_update})", ""]
+    if facts.metrics:
+        lines += [f"- {name}: {facts.metrics[name]!r}" for name in sorted(facts.metrics)]
+    else:
+        lines.append(f"- {NOT_RECORDED}")
+    lines += ["", "## Weights", "",
+              f"- Component: `{facts.component}` (parameters and buffers only: no optimizer, RNG, data position "
+              "or clocks)",
+              f"- Data type: {facts.dtype or 'as trained'} (integer and bool buffers keep their own)",
+              f"- Files: {', '.join(f'`{f}`' for f in facts.files)}",
+              f"- Tensor bytes: {facts.total_bytes}"]
+    if facts.tied:
+        ties = "; ".join(f"`{kept}` also as {', '.join(f'`{n}`' for n in names)}"
+                         for kept, names in sorted(facts.tied.items()))
+        lines.append(f"- Stored once and re-tied on load (`safetensors.torch.load_model`): {ties}")
+    lines += ["", "## Needed for a release, not known to the training run", ""]
+    lines += [f"- {name}: {NOT_RECORDED}" for name in RELEASE_FIELDS]
+    return "\n".join(lines) + "\n"
