@@ -38,6 +38,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -59,6 +60,7 @@ def _drain_at_exit() -> None:
     """
     for writer in list(_WRITERS):
         writer.drain()
+        writer.wait_for_threads(10.0)  # the thread itself gone too: none may run on while torch finalizes
 
 
 def _forget_parent_saves() -> None:
@@ -244,6 +246,7 @@ class Writer:
         self._queue: deque[Ticket] = deque()  # handed off, in order; the head is being written
         self._slot_waiters: list[Any] = []  # released whenever a slot is freed
         self._serving: object | None = None  # the running writer thread's token
+        self._threads = 0  # writer threads started and not yet returned
         self._unreported: list[SaveHandle] = []
 
     def in_flight(self) -> int:
@@ -311,8 +314,26 @@ class Writer:
         token = object()
         # Not threading.Thread: its start() waits on an Event, whose lock an interrupt can leave held,
         # and the new thread would then hang before publishing anything.
-        _thread.start_new_thread(self._serve, (token,))
+        self._threads += 1
+        try:
+            _thread.start_new_thread(self._run, (token,))
+        except BaseException:
+            self._threads -= 1
+            raise
         self._serving = token  # recorded after the start: a thread whose token never was stops at once
+
+    def _run(self, token: object) -> None:
+        try:
+            self._serve(token)  # its frame, and every object the save held, is gone when this returns
+        finally:
+            with self._lock:
+                self._threads -= 1
+
+    def wait_for_threads(self, timeout_s: float) -> None:
+        """Wait (bounded) until every writer thread has returned, not only finished its saves."""
+        deadline = time.monotonic() + timeout_s
+        while self._threads and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def _serve(self, token: object) -> None:
         """Publish the queued saves in order; stop when the queue is empty."""
