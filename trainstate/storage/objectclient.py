@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ _SETTINGS = {"s3": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or storage_options 
              "gs": "GOOGLE_APPLICATION_CREDENTIALS (or storage_options service_account_path)",
              "az": "AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY (or storage_options account_name/account_key)"}
 T = TypeVar("T")
+_DENIED = re.compile(r"status code: 403\b|\b403 Forbidden\b|AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId")
 _BACKOFF_S = (0.1, 0.3, 1.0, 3.0)  # our own retries of a replayable request, after the client's
 
 
@@ -104,7 +106,7 @@ class Client:
                                       f"and their permissions on bucket {self.bucket!r}: {self.setting}") from None
         except (ox.BaseError, OSError) as exc:
             text = str(exc)
-            if "403" in text or "Forbidden" in text or "AccessDenied" in text or "SignatureDoesNotMatch" in text:
+            if _DENIED.search(text):  # not a bare "403": request timings such as "102.974032ms" contain it
                 raise StorageAccessDenied(f"{what} {where}: access denied ({_first_line(exc)}); check the "
                                           f"credentials and their permissions on bucket {self.bucket!r}: "
                                           f"{self.setting}") from None
