@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 import trainstate as ts
-from trainstate.format.digest import digest_bytes
+from trainstate.format.digest import new_hasher
 from trainstate.lifecycle.generations import Lifecycle
 from trainstate.storage.local import LocalStore
 from trainstate.format import signing  # noqa: E402
@@ -101,7 +101,9 @@ def build_run(root: Path, generations: int) -> dict:
         for update in range(2, generations):
             skeleton["clocks"]["next_update"] = update
             data = json.dumps(skeleton, separators=(",", ":")).encode()
-            files = tuple(FileRecord(STATE, len(data), digest_bytes(template.digest_algorithm, data))
+            hasher = new_hasher(template.digest_algorithm)
+            hasher.update(data)
+            files = tuple(FileRecord(STATE, len(data), hasher.hexdigest(), tuple(getattr(hasher, "chunks", ())))
                           if f.name == STATE else f for f in template.files)
             name = generation_name(update)
             manifest = dataclasses.replace(

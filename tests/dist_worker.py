@@ -359,10 +359,9 @@ def existing_generation(out: Path) -> dict:
         train(state, 2)
         first = ckpt.save(state)
         again = ckpt.save(state)  # the same state at the same update: a no-op
-        state["optimizer"].param_groups[0]["lr"] = 0.5  # changed without advancing next_update
+        state["optimizer"].param_groups[0]["lr"] = 0.5  # changed without advancing next_update: a revision
         try:
-            ckpt.save(state)
-            outcome = "saved"
+            outcome = f"saved {ckpt.save(state).name}"
         except ts.TrainStateError as exc:
             outcome = type(exc).__name__
         latest = ckpt.latest()

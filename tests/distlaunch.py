@@ -40,12 +40,12 @@ class Launch:
 
 
 def launch(out: Path, scenarios: list[str], *, ranks: int = 2, env: dict | None = None, timeout: float = 240,
-           monitor: float = 0.5) -> Launch:
-    """One ``torchrun`` for ``scenarios`` (in order, sharing the launch's start-up cost)."""
+           monitor: float = 0.5, worker: Path = WORKER) -> Launch:
+    """One ``torchrun`` for ``scenarios`` (in order, sharing the launch's start-up cost) of ``worker``."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", f"--monitor-interval={monitor}",
-               str(WORKER), str(out), *scenarios]
+               str(worker), str(out), *scenarios]
     environment = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                    **(env or {})}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,

@@ -79,18 +79,21 @@ def flip_tensor_data(generation: Path) -> None:
 
 
 def test_ls_lists_generations_pointers_and_leftovers(run, capsys):
+    """Issue 17: an aligned table, sizes in human units, marks; the recovery point's digests are checked."""
     rc, out, err = cli_run(capsys, "ls", str(run))
     assert rc == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["generation", "update", "kind", "size", "created", "latest", "state"]
-    rows = {line.split()[0]: line.split() for line in lines[1:] if line.startswith("gen-")}
+    assert lines[0].split() == ["generation", "update", "kind", "size", "created", "(UTC)", "marks", "state"]
+    rows = {line.split()[0]: line for line in lines[1:] if line.startswith("gen-")}
     assert list(rows) == [G3, W2, G2, G1], "newest first, weights-only generations included"
-    assert rows[G3][1:3] == ["3", "full"] and rows[G3][-3:] == ["latest", "structure", "ok"]
-    assert rows[W2][1:3] == ["2", "weights"] and rows[W2][-3:] == ["latest-weights", "structure", "ok"]
+    columns = {lines[0].index(h) for h in ("marks", "state")}
+    assert all(len(line) > max(columns) for line in rows.values())
+    assert rows[G3].split()[1:3] == ["3", "full"] and re.search(r"latest, recovery point +verified$", rows[G3])
+    assert rows[W2].split()[1:3] == ["2", "weights"] and re.search(r"latest-weights +structure ok$", rows[W2])
     for name in (G2, G1):
-        assert rows[name][2] == "full" and rows[name][-2:] == ["structure", "ok"] and "latest" not in rows[name]
-    size = int(rows[G3][3].replace(",", ""))
-    assert size == sum(p.stat().st_size for p in (run / G3).iterdir())
+        assert rows[name].split()[2] == "full" and rows[name].endswith("structure ok") and "latest" not in rows[name]
+    size = sum(p.stat().st_size for p in (run / G3).iterdir())
+    assert f"{size / 1024:.1f} KiB" in rows[G3]
     assert f"leftover from an interrupted save (removed by the next save): {LEFTOVER}" in lines
 
 
@@ -100,7 +103,9 @@ def test_ls_json(run, capsys):
     assert report["directory"] == str(run)
     assert [(r["generation"], r["update"], r["kind"], r["latest"]) for r in report["generations"]] == [
         (G3, 3, "full", "latest"), (W2, 2, "weights", "latest-weights"), (G2, 2, "full", None), (G1, 1, "full", None)]
-    assert {r["state"] for r in report["generations"]} == {"structure ok"}
+    assert {r["generation"]: r["state"] for r in report["generations"]} == {
+        G3: "verified", W2: "structure ok", G2: "structure ok", G1: "structure ok"}  # the recovery point's digests
+    assert report["recovery_point"] == G3 and report["recovery_point_checked"] == "digests"
     assert all(type(r["size"]) is int and r["created"] for r in report["generations"])
     assert report["leftovers"] == [LEFTOVER]
     assert report["pointers"] == {"latest": {"generation": G3, "ok": True},
@@ -146,7 +151,7 @@ def test_verify_exit_codes(run, capsys):
         assert cli_run(capsys, "verify", str(run / name))[0] == 0
     flip_tensor_data(run / G2)
     rc, out, _ = cli_run(capsys, "verify", str(run))
-    assert rc == 1 and f"FAILED  {G2}: {G2}/{TENSORS}: blake3 digest mismatch" in out
+    assert rc == 1 and f"FAILED  {G2}: {G2}/{TENSORS}: blake3-chunked digest mismatch in chunk" in out
     assert cli_run(capsys, "verify", str(run / G2))[0] == 1
     assert cli_run(capsys, "verify", str(run / G3))[0] == 0
 

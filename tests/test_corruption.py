@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import blake3
 import numpy as np
 import pytest
 import torch
@@ -36,6 +35,7 @@ import torch
 import trainer
 import trainstate as ts
 from trainstate import cli
+from trainstate.format.digest import digest_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 
@@ -359,7 +359,8 @@ def pointer_digest_of(other: str) -> Callable[[Path], None]:
     """A well-formed pointer to the latest generation carrying another manifest's digest."""
     def damage(run: Path) -> None:
         size = (run / other / MANIFEST).stat().st_size
-        digest = blake3.blake3((run / other / MANIFEST).read_bytes()).hexdigest()
+        digest = digest_bytes(json.loads((run / POINTER).read_bytes())["digest_algorithm"],
+                              (run / other / MANIFEST).read_bytes())
         edit_pointer(manifest_digest=digest, manifest_size=size)(run)
     return damage
 

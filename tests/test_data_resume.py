@@ -404,8 +404,8 @@ def test_changed_order_code_is_caught_at_the_first_batch(tmp_path, monkeypatch):
     """An order that changed without a new algorithm name (say, a library upgrade) passes the contract, and
     the saved next-batch fingerprint stops it at the first batch; on_mismatch="warn" warns instead."""
     _save_at(tmp_path)
-    original = trainstate.data.order.epoch_order
-    monkeypatch.setattr(trainstate.data.order, "epoch_order", lambda *a: original(*a)[::-1].copy())
+    original = trainstate.data.order.order_at
+    monkeypatch.setattr(trainstate.data.order, "order_at", lambda *a: original(*a)[::-1].copy())
     for mode in ("error", "warn"):
         state, loader = build(Config(0), on_mismatch=mode)
         with ts.CheckpointManager(tmp_path) as ckpt:

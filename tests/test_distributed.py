@@ -103,11 +103,13 @@ def test_a_diverged_ddp_replica_is_refused_on_every_rank(runs):
         assert result["latest"] == "gen-000000000002" and result["leftovers"] == [], result
 
 
-def test_saving_over_an_existing_generation_is_refused_before_any_rank_writes(runs):
+def test_a_changed_state_at_an_existing_update_is_a_revision_on_every_rank(runs):
+    """Issue 22 item 5: refused before (GenerationExists on rank 0, CheckpointFailed on rank 1); now every
+    rank publishes the same superseding revision."""
     outcomes = [r["outcome"] for r in runs["two"].ok("existing_generation")]
-    assert outcomes == ["GenerationExists", "CheckpointFailed"], outcomes  # rank 0 refuses, rank 1 is told
+    assert outcomes == ["saved gen-000000000002-r001"] * 2, outcomes
     for result in runs["two"].ok("existing_generation"):
-        assert result["noop_same"] and result["leftovers"] == [] and result["latest"] == "gen-000000000002"
+        assert result["noop_same"] and result["leftovers"] == [] and result["latest"] == "gen-000000000002-r001"
 
 
 # 4. faults --------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from safetensors.torch import load as load_file_bytes, load_file, load_model
 import trainstate as ts
 from trainstate.cli.main import main
 from trainstate.storage.posix import PosixOps
-from trainstate.tools.export import build_files, dedupe, parse_size, plan_shards, shard_names
+from trainstate.tools.export import parse_size, plan_shards, shard_header, shard_names
 
 
 class TinyGPT(torch.nn.Module):
@@ -195,15 +195,15 @@ def test_sizes_and_shard_planning_are_pure():
     assert shard_names(1) == ["model.safetensors"]
 
 
-def test_dedupe_refuses_views_that_no_name_covers():
-    base = torch.arange(10.0)
-    kept, tied = dedupe({"x": base, "y": base})
-    assert list(kept) == ["x"] and tied == {"x": ("y",)}
-    with pytest.raises(ts.InvalidArgument, match="share storage"):
-        dedupe({"a": base[:5], "b": base[5:]})
-    files, names, total = build_files({"x": base}, {"x": ("y",)}, None)
-    assert names == ["model.safetensors"] and total == 40 and set(files) == {"model.safetensors"}
-    assert load_file_bytes(files["model.safetensors"]())["x"].equal(base)
+def test_a_streamed_header_is_the_safetensors_format():
+    tensors = {"b": torch.arange(3, dtype=torch.int16), "a": torch.ones(2, 2), "c": torch.tensor(True)}
+    header, order = shard_header({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, {"format": "pt", "x": "a"})
+    assert order == ["a", "b", "c"] and len(header) % 8 == 0  # larger elements first: each tensor aligned
+    data = header + b"".join(tensors[n].contiguous().numpy().tobytes() for n in order)
+    with_lib = load_file_bytes(data)
+    assert all(torch.equal(with_lib[n], t) for n, t in tensors.items()) and set(with_lib) == set(tensors)
+    with pytest.raises(ts.InvalidArgument, match="--dtype"):
+        shard_header({"z": (torch.float8_e8m0fnu, (2,))}, {})
 
 
 def test_a_symlinked_or_file_out_and_a_missing_parent_are_refused(tmp_path):

@@ -22,7 +22,8 @@ import trainstate as ts
 from trainstate import cli
 from trainstate.format import tensorfile
 from trainstate.format.codec import TensorTable, decode, encode
-from trainstate.format.manifest import FileRecord, Manifest, Pointer, parse_manifest, parse_pointer
+from trainstate.format.digest import CHUNK_BYTES, chunk_digest, chunked_top
+from trainstate.format.manifest import FORMAT_VERSION, FileRecord, Manifest, Pointer, parse_manifest, parse_pointer
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -314,7 +315,7 @@ def test_format_1_generation_still_restores(tmp_path, capsys):
         ckpt.save(live)
         again = _v1_state()
         assert ckpt.restore(again).generation.name == "gen-000000000008"
-    assert json.loads((run / "gen-000000000008" / "manifest.json").read_bytes())["format_version"] == 2
+    assert json.loads((run / "gen-000000000008" / "manifest.json").read_bytes())["format_version"] == FORMAT_VERSION == 3
     assert same(again["extra"].value, live["extra"].value) and same(_draws(again), _draws(live))
     assert cli.main(["verify", str(run)]) == 0, capsys.readouterr().out
 
@@ -338,10 +339,15 @@ def _golden_files() -> dict[str, bytes]:
     _, skeleton, tensor_bytes = _golden_payload()
     manifest = Manifest("gen-000000000042", "full", 42, "blake3",
                         (FileRecord("state.json", 10, "ab" * 32), FileRecord("tensors.safetensors", 20, "cd" * 32)),
-                        "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None)
-    pointer = Pointer("gen-000000000042", "12" * 32, 300, "blake3", 42)
+                        "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None, format_version=2)
+    pointer = Pointer("gen-000000000042", "12" * 32, 300, "blake3", 42, format_version=2)
+    chunks = tuple(chunk_digest(bytes([i]) * 16) for i in range(2))
+    v3 = Manifest("gen-000000000042", "full", 42, "blake3-chunked",
+                  (FileRecord("state.json", 10, chunked_top(10, chunks[:1]), chunks[:1]),
+                   FileRecord("tensors.safetensors", CHUNK_BYTES + 1, chunked_top(CHUNK_BYTES + 1, chunks), chunks)),
+                  "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None)
     return {"skeleton.json": skeleton, "tensors.safetensors": tensor_bytes,
-            "manifest.json": manifest.to_bytes(), "latest": pointer.to_bytes()}
+            "manifest.json": manifest.to_bytes(), "latest": pointer.to_bytes(), "manifest-v3.json": v3.to_bytes()}
 
 
 def test_golden_bytes_pin_format_version_2():
@@ -350,6 +356,9 @@ def test_golden_bytes_pin_format_version_2():
     manifest = parse_manifest((GOLDEN / "manifest.json").read_bytes(), "g")
     assert manifest.format_version == 2 and manifest.to_bytes() == (GOLDEN / "manifest.json").read_bytes()
     assert parse_pointer((GOLDEN / "latest").read_bytes(), "g").format_version == 2
+    v3 = parse_manifest((GOLDEN / "manifest-v3.json").read_bytes(), "g")  # format 3: chunk digests per file
+    assert v3.format_version == 3 and v3.digest_algorithm == "blake3-chunked"
+    assert len(v3.file("tensors.safetensors").chunks) == 2 and v3.to_bytes() == (GOLDEN / "manifest-v3.json").read_bytes()
     tensor_bytes = (GOLDEN / "tensors.safetensors").read_bytes()
     header = tensorfile.parse_header(io.BytesIO(tensor_bytes), len(tensor_bytes), "g")
     assert [e.name for e in header.entries] == ["c.w", "c.half", "c.e8m0", "c.step", "c.np_zero_d"]

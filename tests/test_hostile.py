@@ -31,7 +31,6 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import blake3
 import pytest
 import torch
 
@@ -39,6 +38,7 @@ import trainer
 import trainstate as ts
 from trainstate import cli
 from trainstate.format import tensorfile
+from trainstate.format.digest import digest_bytes, new_hasher
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 
@@ -108,12 +108,17 @@ def reseal(run: Path, generation: str) -> None:
     """Recompute the generation's manifest records and the pointer, as an attacker with write access would."""
     gen = run / generation
     manifest = json.loads((gen / MANIFEST).read_bytes())
+    algorithm = manifest["digest_algorithm"]
     for record in manifest["files"]:
         data = (gen / record["name"]).read_bytes()
-        record.update(size=len(data), digest=blake3.blake3(data).hexdigest())
+        hasher = new_hasher(algorithm)
+        hasher.update(data)
+        record.update(size=len(data), digest=hasher.hexdigest())
+        if algorithm == "blake3-chunked":  # the chunk digests too: each is checked on its own
+            record["chunks"] = list(hasher.chunks)
     # the self-digest too, so the edit reaches the layers behind the manifest
     body = {k: v for k, v in manifest.items() if k not in ("self_digest", "signature")}
-    manifest["self_digest"] = blake3.blake3(json.dumps(body, indent=1, sort_keys=True).encode()).hexdigest()
+    manifest["self_digest"] = digest_bytes(algorithm, json.dumps(body, indent=1, sort_keys=True).encode())
     data = json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n"
     (gen / MANIFEST).write_bytes(data)
     seal_pointer(run, generation)
@@ -123,7 +128,7 @@ def seal_pointer(run: Path, generation: str) -> None:
     pointer = json.loads((run / POINTER).read_bytes())
     if pointer["generation"] == generation:
         data = (run / generation / MANIFEST).read_bytes()
-        pointer.update(manifest_digest=blake3.blake3(data).hexdigest(), manifest_size=len(data))
+        pointer.update(manifest_digest=digest_bytes(pointer["digest_algorithm"], data), manifest_size=len(data))
         (run / POINTER).write_bytes(json.dumps(pointer).encode())
 
 

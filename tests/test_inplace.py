@@ -45,10 +45,10 @@ def reference():
     return full_state(state), next_draws(state)
 
 
-def _saved_at_5(tmp_path):
+def _saved_at_5(tmp_path, digest="blake3-chunked"):
     _seed_globals()
     state = build()
-    with ts.CheckpointManager(tmp_path, keep_last=5) as ckpt:
+    with ts.CheckpointManager(tmp_path, keep_last=5, digest=digest) as ckpt:
         for _ in range(4):
             step(state)
         ckpt.save(state)
@@ -57,9 +57,10 @@ def _saved_at_5(tmp_path):
     return state
 
 
+@pytest.mark.parametrize("digest", ["blake3-chunked", "blake3"], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("stepped", [True, False], ids=["live-optimizer-state", "fresh-optimizer"])
-def test_in_place_restore_continues_bitwise_into_live_storage(tmp_path, reference, stepped):
-    _saved_at_5(tmp_path)
+def test_in_place_restore_continues_bitwise_into_live_storage(tmp_path, reference, stepped, digest):
+    _saved_at_5(tmp_path, digest)
     live = build(seed=99)
     if stepped:
         step(live)  # the optimizer now holds moments: they are read into, not replaced
@@ -132,7 +133,8 @@ def test_refusals_happen_before_any_live_byte_changes(tmp_path, problem):
 
 
 def test_generation_changed_between_passes_is_reported(tmp_path, monkeypatch):
-    _saved_at_5(tmp_path)
+    """Generations with one digest per file (formats 1-2) load in two passes; format 3 reads once."""
+    _saved_at_5(tmp_path, "blake3")
     real = restore_mod.decode_verified
 
     def tamper_then_load(store, manifest, component=None, *, preview=False, into=None):
@@ -147,7 +149,7 @@ def test_generation_changed_between_passes_is_reported(tmp_path, monkeypatch):
 
 
 def test_auto_mode_switches_on_size(tmp_path, monkeypatch):
-    _saved_at_5(tmp_path)
+    _saved_at_5(tmp_path, "blake3")
     monkeypatch.setattr(restore_mod, "IN_PLACE_BYTES", 0)
     live = build(seed=99)
     step(live)
@@ -170,7 +172,8 @@ PEAK = textwrap.dedent("""
         sys.exit(0)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with ts.CheckpointManager(sys.argv[1]) as ckpt:
-        ckpt.restore(state, in_place=sys.argv[2] == "in-place")
+        info = ckpt.restore(state, in_place=sys.argv[2] == "in-place")
+    assert info is not None and info.generation.name == "gen-000000000001", info
     print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
 """)
 

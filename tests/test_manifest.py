@@ -37,7 +37,7 @@ def test_manifest_and_pointer_round_trip():
 
 
 @pytest.mark.parametrize("edit", [
-    lambda d: d.update(format_version=3),  # a version this reader does not know
+    lambda d: d.update(format_version=4),  # a version this reader does not know
     lambda d: d.update(format="other"),
     lambda d: d.update(digest_algorithm="md5"),
     lambda d: d.update(next_update=43),

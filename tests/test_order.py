@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.utils.data.distributed import DistributedSampler
 
 import trainstate as ts
-from trainstate.data.order import ORDER_ALGORITHM, Plan, epoch_order, ids_digest
+from trainstate.data.order import ORDERS, SORT_V1, Plan, epoch_order, ids_digest, order_at
 from trainstate.data.samplerng import SampleIndex, sample_seed
 
 # Reproducible (derandomized), no example database, no deadline on shared CPUs; as in test_fuzz.py.
@@ -81,13 +81,14 @@ GOLDEN_ORDER = {0: [9, 3, 7, 5, 2, 0, 4, 1, 6, 8],
 
 
 def test_golden_epoch_order():
-    """The order is part of every checkpoint's meaning: pinned at splitmix64-sort-v1."""
-    assert ORDER_ALGORITHM == "splitmix64-sort-v1"
+    """The order is part of every checkpoint's meaning: splitmix64-sort-v1 never changes (runs saved with it
+    resume with it)."""
+    assert SORT_V1 == "splitmix64-sort-v1"
     for epoch, expected in GOLDEN_ORDER.items():
         assert epoch_order(10, 1234, epoch, True).tolist() == expected, f"epoch {epoch}"
     assert epoch_order(1000, 0, 0, True)[:8].tolist() == [721, 677, 838, 344, 647, 59, 104, 991]
     assert epoch_order(1000, 2**64 - 1, 7, True)[:8].tolist() == [305, 327, 671, 990, 500, 236, 499, 192]
-    plan = Plan(10, 3, 1234, True, False, 1, 2, "pad")
+    plan = Plan(10, 3, 1234, True, False, 1, 2, "pad", SORT_V1)
     assert [b.tolist() for b in plan.batches(0)] == [[3, 5, 0], [1, 8]]
 
 
@@ -122,10 +123,10 @@ def test_golden_sample_generator_draws():
 # Plan --------------------------------------------------------------------------
 
 plans = st.builds(
-    lambda n, bs, seed, shuffle, drop_last, world, uneven, data: Plan(
-        n, bs, seed, shuffle, drop_last, data.draw(st.integers(0, world - 1)), world, uneven),
+    lambda n, bs, seed, shuffle, drop_last, world, uneven, algorithm, data: Plan(
+        n, bs, seed, shuffle, drop_last, data.draw(st.integers(0, world - 1)), world, uneven, algorithm),
     st.integers(0, 200), st.integers(1, 17), seeds, st.booleans(), st.booleans(), st.integers(1, 9),
-    st.sampled_from(["pad", "drop"]), st.data())
+    st.sampled_from(["pad", "drop"]), st.sampled_from(sorted(ORDERS)), st.data())
 
 
 @given(plans, epochs)
@@ -177,13 +178,16 @@ def _distributed_sampler_split(order: np.ndarray, world: int, rank: int, uneven:
     return indices[rank:total:world]
 
 
-@given(st.integers(0, 120), st.integers(1, 9), st.sampled_from(["pad", "drop"]), seeds, epochs)
+@given(st.integers(0, 120), st.integers(1, 9), st.sampled_from(["pad", "drop"]), seeds, epochs,
+       st.sampled_from(sorted(ORDERS)))
 @PROPERTY
-def test_shuffled_shards_split_like_distributed_sampler(n, world, uneven, seed, epoch):
-    order = epoch_order(n, seed, epoch, True)
+def test_shuffled_shards_split_like_distributed_sampler(n, world, uneven, seed, epoch, algorithm):
+    order = order_at(algorithm, n, seed, epoch, True, np.arange(n))
+    if algorithm == SORT_V1:
+        assert np.array_equal(order, epoch_order(n, seed, epoch, True))
     seen: list[int] = []
     for rank in range(world):
-        shard = Plan(n, 1, seed, True, False, rank, world, uneven).shard(epoch)
+        shard = Plan(n, 1, seed, True, False, rank, world, uneven, algorithm).shard(epoch)
         assert shard.tolist() == _distributed_sampler_split(order, world, rank, uneven)
         seen += shard.tolist()
     if uneven == "drop":

@@ -142,34 +142,35 @@ def test_keep_last_prunes_after_commit_and_spares_foreign_and_newer(tmp_path):
     assert json.loads((tmp_path / "latest").read_text())["generation"] == "gen-000000000005"
 
 
-def test_same_update_twice_is_a_no_op_a_changed_state_is_refused_and_an_orphan_is_superseded(tmp_path):
+def test_same_update_twice_is_a_no_op_a_changed_state_is_a_revision_and_an_orphan_is_superseded(tmp_path):
+    """Issue 22 item 5: a changed state (or new metrics) at the same update was refused (GenerationExists);
+    it is now published as a revision that supersedes the earlier generation."""
     state = build()
     step(state)
     with ts.CheckpointManager(tmp_path) as ckpt:
         first = ckpt.save(state)
         before = {n: (tmp_path / n / "manifest.json").read_bytes() for n in _names(tmp_path) if n.startswith("gen-")}
         assert ckpt.save(state) == first  # a final save right after a periodic one: nothing written
-        counters = dict(state.counters)
-        state.counters["epoch"] = 7  # the state changed, but next_update did not advance
-        with pytest.raises(ts.GenerationExists, match="next_update"):
-            ckpt.save(state)
-        state.counters = counters
-        with pytest.raises(ts.GenerationExists, match="metrics"):
-            ckpt.save(state, metrics={"loss": 1.0})  # would silently drop the metric
         after = {n: (tmp_path / n / "manifest.json").read_bytes() for n in _names(tmp_path) if n.startswith("gen-")}
         assert after == before
+        state.counters["epoch"] = 7  # the state changed, but next_update did not advance
+        assert ckpt.save(state).name == "gen-000000000001-r001"
+        assert ckpt.save(state).name == "gen-000000000001-r001"  # the same again: nothing written
+        assert ckpt.save(state, metrics={"loss": 1.0}).name == "gen-000000000001-r002"  # never dropped
         step(state)
         ckpt.save(state)
-    # simulate a crash after rename but before the pointer moved: pointer back at gen 1
-    (tmp_path / "latest").write_bytes(_pointer_for(tmp_path, "gen-000000000001"))
+    # simulate a crash after rename but before the pointer moved: pointer back at the last revision of gen 1
+    (tmp_path / "latest").write_bytes(_pointer_for(tmp_path, "gen-000000000001-r002"))
     resumed = build(seed=4)
     with ts.CheckpointManager(tmp_path) as ckpt:
         info = ckpt.restore(resumed)
-        assert info.generation.name == "gen-000000000001" and info.identical_continuation
+        assert info.generation.name == "gen-000000000001-r002" and info.identical_continuation
         step(resumed)
         ckpt.save(resumed)  # gen 2 exists but was never published: it is superseded, not refused
         assert ckpt.latest() == "gen-000000000002"
-    assert [n for n in _names(tmp_path) if n.startswith("gen-")] == ["gen-000000000001", "gen-000000000002"]
+    # the superseded gen-1 and gen-1-r001 take no keep_last slot: they stay while gen-1-r002 does
+    assert [n for n in _names(tmp_path) if n.startswith("gen-")] == [
+        "gen-000000000001", "gen-000000000001-r001", "gen-000000000001-r002", "gen-000000000002"]
 
 
 def _pointer_for(directory: Path, name: str) -> bytes:
@@ -178,7 +179,8 @@ def _pointer_for(directory: Path, name: str) -> bytes:
 
     data = (directory / name / "manifest.json").read_bytes()
     update = int(name.split("-")[1])
-    return Pointer(name, digest_bytes("blake3", data), len(data), "blake3", update).to_bytes()
+    algorithm = json.loads(data)["digest_algorithm"]
+    return Pointer(name, digest_bytes(algorithm, data), len(data), algorithm, update).to_bytes()
 
 
 def test_sha256_digest_option(tmp_path):

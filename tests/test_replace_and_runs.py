@@ -201,12 +201,18 @@ def test_saving_twice_at_one_update_returns_the_first_and_writes_nothing(tmp_pat
     assert [n for n in _names(tmp_path) if n.startswith("gen-")] == [first.name]
 
 
-def test_a_changed_state_at_the_same_update_is_still_refused(tmp_path):
+def test_a_changed_state_at_the_same_update_is_published_as_a_revision(tmp_path):
+    """Issue 22 item 5 replaced the refusal (GenerationExists ended the run) with a superseding revision."""
     state = build()
     step(state)
     with ts.CheckpointManager(tmp_path) as ckpt:
-        ckpt.save(state)
+        first = ckpt.save(state)
         with torch.no_grad():
-            state["optimizer"].param_groups[0]["lr"] = 0.5  # training went on, next_update did not
-        with pytest.raises(ts.GenerationExists, match="Advance state.next_update"):
-            ckpt.save(state)
+            state["optimizer"].param_groups[0]["lr"] = 0.5  # an annealed lr, next_update did not advance
+        second = ckpt.save(state)
+        assert (first.name, second.name) == ("gen-000000000001", "gen-000000000001-r001")
+        assert ckpt.latest() == second.name and state.parent == second.name
+    resumed = build(seed=3)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        assert ckpt.restore(resumed).generation.name == second.name
+    assert resumed["optimizer"].param_groups[0]["lr"] == 0.5

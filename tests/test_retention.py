@@ -34,6 +34,7 @@ import copy
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -547,8 +548,8 @@ def test_pin_unpin_round_trip_on_the_command_line(tmp_path, capsys):
     assert rc == 1 and "is not a generation name" in err
     rc, out, _ = cli_run(capsys, "ls", tmp_path)
     row = next(line for line in out.splitlines() if line.startswith(gen(3)))
-    assert row.endswith("pinned: final")
-    assert f"recovery point: {gen(4)} (a restart resumes here)" in out
+    assert re.search(r"pinned: final +structure ok$", row)  # issue 17: marks, then the state column
+    assert f"recovery point: {gen(4)} (a restart resumes here; every digest checked)" in out
     rc, out, _ = cli_run(capsys, "ls", tmp_path, "--json")
     report = json.loads(out)
     assert report["pins"] == {"final": gen(3)} and report["recovery_point"] == gen(4)
@@ -658,7 +659,7 @@ def test_weights_only_generations_are_counted_apart_and_never_the_recovery_point
             gen(4), 4, gen(6, "weights"))
         assert mgr.plan().reasons(gen(6, "weights")) == ("newest weights-only",)
     rc, out, _ = cli_run(capsys, "ls", tmp_path)
-    assert f"recovery point: {gen(4)} (a restart resumes here)" in out
+    assert f"recovery point: {gen(4)} (a restart resumes here; every digest checked)" in out
     assert json.loads(cli_run(capsys, "ls", tmp_path, "--json")[1])["recovery_point"] == gen(4)
 
     only = tmp_path / "only-weights"

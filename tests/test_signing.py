@@ -11,7 +11,7 @@ import pytest
 
 import trainstate as ts
 from trainer import build, full_state, step, assert_same
-from trainstate.format.digest import digest_bytes
+from trainstate.format.digest import digest_bytes, new_hasher
 from trainstate.format.manifest import FileRecord, Manifest
 
 KEY = "correct horse battery staple, 2026"
@@ -38,11 +38,15 @@ def _forge(run: Path, generation: str, edit) -> None:
     manifest = json.loads((gen / "manifest.json").read_text())
     for record in manifest["files"]:
         if record["name"] == "state.json":
-            record["size"], record["digest"] = len(data), digest_bytes(manifest["digest_algorithm"], data)
+            hasher = new_hasher(manifest["digest_algorithm"])
+            hasher.update(data)
+            record["size"], record["digest"] = len(data), hasher.hexdigest()
+            if "chunks" in record:  # blake3-chunked: the chunk digests too
+                record["chunks"] = list(hasher.chunks)
     manifest.pop("self_digest")
     manifest.pop("signature", None)
     forged = Manifest(**{k: v for k, v in manifest.items() if k != "format"} | {
-        "files": tuple(FileRecord(**f) for f in manifest["files"])})
+        "files": tuple(FileRecord(**{**f, "chunks": tuple(f.get("chunks", ()))}) for f in manifest["files"])})
     mbytes = forged.to_bytes()  # the attacker uses our own serialiser: unsigned, self-digest correct
     (gen / "manifest.json").write_bytes(mbytes)
     pointer = json.loads((run / "latest").read_text())

@@ -23,21 +23,25 @@ from .asyncsave import AsyncSaveFailed, SaveHandle
 from .data.evaluation import evaluating
 from .data.files import data_manifest
 from .data.loader import ResumableLoader
+from .data.mixture import Mixture
 from .data.samplerng import SampleIndex, sample_generator
-from .errors import (ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch, DirectoryLocked,
-                     ExistingRun, FieldChange, GenerationExists, GenerationNotFound, InsufficientSpace,
+from .errors import (EXIT_PERMANENT, ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch,
+                     DirectoryLocked, ExistingRun, FieldChange, GenerationExists, GenerationNotFound, InsufficientSpace,
                      InvalidArgument, InvalidType, NoValidGeneration, PendingGradients, PinNotFound, PointerRollback,
-                     ReadOnlyDirectory, Rejection, RunDirectoryGone, StaleIterator, StateMismatch,
+                     ReadOnlyDirectory, Rejection, RunDirectoryGone, StaleIterator, StateMismatch, StateUnusable,
                      StorageAccessDenied, StorageNotFound, StorageUnavailable, TopologyMismatch, TrainStateError,
-                     UnsupportedValue, WeightsOnlyGeneration)
+                     UnsupportedValue, WeightsOnlyGeneration, exit_code_for)
 from .format.signing import SigningKey
+from .lifecycle.done import DoneRecord, DoneStatus, done
 from .lifecycle.preemption import EXIT_PREEMPTED, PreemptionHandler
 from .lifecycle.rehearsal import Rehearsal
 from .lifecycle.retention import Retention
 from .manager import Cadence, CheckpointManager, GenerationInfo, RestoreInfo, Status
+from .restore import unusable as unusable_reason
 from .state.contract import fingerprint
 from .state.train_state import TrainState
 from .tools.diff import DiffReport, diff
+from .tools.doctor import DoctorReport, doctor
 from .tools.export import ExportInfo, export
 from .warmstart import WarmStartInfo, warm_start
 
@@ -51,6 +55,10 @@ __all__ = [
     "DataMismatch",
     "DiffReport",
     "DirectoryLocked",
+    "DoctorReport",
+    "DoneRecord",
+    "DoneStatus",
+    "EXIT_PERMANENT",
     "EXIT_PREEMPTED",
     "ExistingRun",
     "ExportInfo",
@@ -61,6 +69,7 @@ __all__ = [
     "InsufficientSpace",
     "InvalidArgument",
     "InvalidType",
+    "Mixture",
     "NoValidGeneration",
     "PendingGradients",
     "PinNotFound",
@@ -78,6 +87,7 @@ __all__ = [
     "SigningKey",
     "StaleIterator",
     "StateMismatch",
+    "StateUnusable",
     "Status",
     "StorageAccessDenied",
     "StorageNotFound",
@@ -91,9 +101,13 @@ __all__ = [
     "__version__",
     "data_manifest",
     "diff",
+    "doctor",
+    "done",
     "evaluating",
+    "exit_code_for",
     "export",
     "fingerprint",
     "sample_generator",
+    "unusable_reason",
     "warm_start",
 ]

@@ -31,6 +31,12 @@ describes the same situation, the subclass inherits it too, so existing
 
 Every error survives a ``pickle`` round trip with its message and attributes
 (multi-rank code sends exceptions between processes).
+
+Exit codes for a training script run under a supervisor (``trainstate supervise``):
+:data:`EXIT_PERMANENT` (78) means restarting cannot help, any other non-zero
+status is a failure worth a bounded retry, and ``EXIT_PREEMPTED`` (75, in
+:mod:`trainstate.lifecycle.preemption`) a preemption save. :func:`exit_code_for`
+maps an exception to its code.
 """
 
 from __future__ import annotations
@@ -148,6 +154,10 @@ class StateMismatch(TrainStateError):
     """The checkpoint's structure does not fit the live objects (names, shapes, kinds)."""
 
 
+class StateUnusable(StateMismatch, RuntimeError):
+    """A restore failed after live tensors began to change: saving this state would publish a mix of two."""
+
+
 class DataMismatch(TrainStateError, ValueError):
     """The data pipeline after restore does not produce the batches the checkpoint expects."""
 
@@ -180,12 +190,16 @@ class Rejection:
 class NoValidGeneration(TrainStateError, FileNotFoundError):
     """No committed generation verified; ``rejections`` says why each failed."""
 
-    def __init__(self, directory: str, rejections: list[Rejection]):
+    def __init__(self, directory: str, rejections: list[Rejection], *, unusable: str | None = None):
         self.directory = directory
         self.rejections = list(rejections)
+        self.unusable = unusable
         detail = "\n  ".join(f"{r.generation}: {r.reason}" for r in self.rejections) or "(none found)"
+        loaded = ("nothing was loaded" if unusable is None else
+                  f"the TrainState is UNUSABLE ({unusable}): rebuild the live objects before anything else, every "
+                  "save refuses it")
         super().__init__(
-            f"no generation in {directory} verified; nothing was loaded and nothing was deleted. Tried:\n  {detail}\n"
+            f"no generation in {directory} verified; {loaded}, and nothing was deleted. Tried:\n  {detail}\n"
             "Inspect with `trainstate verify DIR`. To start over, point the manager at a new directory "
             "rather than deleting this evidence."
         )
@@ -276,3 +290,47 @@ class StorageNotFound(TrainStateError, FileNotFoundError):
 
 class StorageUnavailable(TrainStateError, ConnectionError):
     """An object-store request kept failing after the client's bounded retries (5xx, timeouts, resets)."""
+
+
+EXIT_FAILED = 1
+"""Exit status of a failure a restart may cure (a crash, a lost peer, an unavailable store)."""
+
+EXIT_PERMANENT = 78
+"""Exit status of an error no restart can cure (EX_CONFIG): the supervisor stops at once, without retrying."""
+
+# Errors that recur on every restart of the same command: the run's configuration, data, code or credentials
+# disagree with what is on disk, or the disk itself refuses. Restarting only burns the retry budget.
+PERMANENT = (ContractMismatch, DataMismatch, InvalidArgument, InvalidType, UnsupportedValue, PendingGradients,
+             TopologyMismatch, StateMismatch, WeightsOnlyGeneration, NoValidGeneration, ExistingRun,
+             GenerationExists, PointerRollback, InsufficientSpace, ReadOnlyDirectory, RunDirectoryGone,
+             StorageAccessDenied, StorageNotFound, StaleIterator)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit status a training script should end with after ``exc``, for a supervisor to act on.
+
+    :data:`EXIT_PERMANENT` for an error that every restart would meet again
+    (``ContractMismatch``, ``DataMismatch``, configuration errors, refused
+    credentials, a full or read-only disk, no valid generation: see
+    ``PERMANENT``), also when it is the ``__cause__`` of the error raised (a
+    background save that failed for lack of space); a ``SystemExit``'s own
+    code; 130 for ``KeyboardInterrupt``; otherwise :data:`EXIT_FAILED`::
+
+        try:
+            train()
+        except Exception as exc:
+            logging.exception("training failed")
+            sys.exit(ts.exit_code_for(exc))
+    """
+    if isinstance(exc, SystemExit):
+        return exc.code if type(exc.code) is int else (0 if exc.code is None else EXIT_FAILED)
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, PERMANENT):
+            return EXIT_PERMANENT
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return EXIT_FAILED

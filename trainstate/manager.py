@@ -11,6 +11,7 @@ anything is loaded). Retention, cadence and status are thin entry points over
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -27,6 +28,7 @@ from .format import signing
 from .format.manifest import parse_generation_name
 from .format.signing import SigningKey
 from .lifecycle import cadence as cadence_mod
+from .lifecycle import done as done_mod
 from .lifecycle import mirror as mirror_mod
 from .lifecycle.cadence import Cadence, Clock
 from .lifecycle.generations import Lifecycle, new_timeline
@@ -65,6 +67,7 @@ class CheckpointManager:
     Retention: ``keep_last`` full generations (the run's recorded policy
     when reopened), or ``retention=Retention(...)`` with milestones, a best
     by metric and a weights-only count; pins (:meth:`pin`). ``digest``:
+    ``"blake3-chunked"`` (per-chunk digests: restore verifies on every core),
     ``"blake3"`` or ``"sha256"``. ``verify`` after the rename: ``"fast"``
     (manifest digest, file set, sizes; every byte was already read back
     during its fsync) or ``"full"`` (re-hash everything). ``rehearse``: a
@@ -87,7 +90,7 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
-                 digest: str = "blake3", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
+                 digest: str = "blake3-chunked", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
                  store: Store | None = None, rehearse: Factory | None = None, preflight: bool = True,
                  headroom: float = 0.05, cadence: Cadence | None = None, max_in_flight: int = 1,
                  process_group: Any = None, collective_timeout_s: float = 600.0,
@@ -103,6 +106,7 @@ class CheckpointManager:
         publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
         self.store: Store = store if store is not None else open_store(directory, digest,
                                                                        storage_options=storage_options)
+        getattr(self.store, "defer_removals", lambda: None)()  # pruned files are deleted off the save path
         self.key = signing.resolve(signing_key, directory)
         self.rehearse_factory = rehearse
         self.cadence = cadence
@@ -175,6 +179,7 @@ class CheckpointManager:
         by ``handle.wait()`` or the next ``save``, ``wait`` or ``close``.
         """
         self._writer.raise_unreported()
+        restore_mod.refuse_unusable(state)  # a restore that failed midway left it half loaded
         if not blocking and self.rehearse_factory is not None:
             raise InvalidArgument("rehearse= builds objects (and may draw global RNG) while training runs; it cannot "
                              "run beside a background save. Use blocking saves, or rehearse out of process with "
@@ -231,6 +236,7 @@ class CheckpointManager:
         else:
             self.store.lock()  # before anything else: a vanished or read-only directory is named as such
             self._check_same_run(state)
+            state.parent = self._publisher.renamed.get(state.parent, state.parent)  # a background save's revision
             pending = publish.prepare(state, self.retention, weights_only=weights_only, include_grads=include_grads,
                                       metrics=metrics)
         self._started = pending.name
@@ -262,6 +268,7 @@ class CheckpointManager:
     def _publish_or_roll_back(self, p: publish.Pending, state: TrainState, background: bool = False
                               ) -> GenerationInfo:
         """Publish; if that fails, the state again descends from what was actually published."""
+        started = time.monotonic()
         try:
             info = self._session.publish(self, p, background) if self._session else self._publisher.publish(p)
         except BaseException:
@@ -270,7 +277,10 @@ class CheckpointManager:
             elif publish.roll_back(p, state):
                 self._last_full_update = parse_generation_name(p.parent)[0] if p.parent else self._origin
             raise
-        self._committed = p.name
+        self._committed = info.name
+        _log_rate("saved", info, time.monotonic() - started, "in the background" if background else "")
+        if not background and state.parent == p.prepared:
+            state.parent = info.name  # a revision, or the generation that already held this state
         return info
 
     # retention ---------------------------------------------------------------
@@ -352,16 +362,19 @@ class CheckpointManager:
         and :class:`ContractMismatch` (loading nothing) when the experiment
         contract differs, unless each differing field is in ``allow_changes``.
 
-        ``in_place`` (default: for generations above ``IN_PLACE_BYTES``) reads
-        tensors straight into the live ones that match by name, shape and
-        dtype, so peak memory stays near the live state: a first pass verifies
-        every digest and checks everything against the live objects while
-        keeping no large tensor; a second pass (mostly from the page cache)
-        loads, digesting again. Otherwise every byte is read once into fresh
-        tensors, which are checked and then loaded (one extra copy of the
-        state, briefly).
+        Tensors land in the live ones that match by name, shape and dtype, so
+        peak memory stays near the live state. A format-3 generation is read
+        once: every check runs first, then each 4 MiB chunk is digested (on
+        every core) before it is copied; a chunk that fails after others were
+        copied makes restore fall back, and if nothing loads completely the
+        state is unusable (:func:`trainstate.unusable_reason`; saves refuse
+        it). ``in_place=False`` reads into fresh tensors instead and loads them
+        only once all verified (twice the memory). Older generations: see the
+        README ("How a restore chooses").
         """
+        started = time.monotonic()
         self._writer.drain()  # a background save in flight publishes first
+        self._publisher.renamed.clear()  # the restored state names real generations
         if self._mirror is not None and generation is None:
             self._mirror.pull()  # the remote copy, when the local directory is empty or behind
         try:
@@ -377,7 +390,30 @@ class CheckpointManager:
             raise
         if self._mirror is not None and info is not None:
             self._mirror.restored(info.generation.name)  # uploaded, if an earlier process stopped before it was
+        if info is not None:
+            _log_rate("restored", info.generation, time.monotonic() - started,
+                      f"passing over {', '.join(r.generation for r in info.rejected)}" if info.rejected else "")
+        if info is not None:  # rank 0's verdict on every rank: they stop or go on together
+            record = self._leader(lambda: done_mod.for_restore(self.store, self.key, info, state), "done")
+            info = dataclasses.replace(info, done=record)
         return info
+
+    def finish(self, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> done_mod.DoneRecord:
+        """Publish the final full generation (or reuse the one at this update), then write the DONE record
+        binding the run, its manifest digest, clocks, contract fingerprint and ``metrics`` (see ``ts.done``)."""
+        # saved (or restored) at this update already, under its name or a revision of it
+        reuse = state.parent is not None and parse_generation_name(state.parent) == (state.next_update, "full")
+        info = self.save(state, metrics=None if reuse else metrics)
+        return self._leader(lambda: done_mod.write(self.store, self.key, info.name, state.tokens_seen, metrics),
+                            "finish")
+
+    def _leader(self, work: Any, phase: str) -> Any:
+        """``work()`` on rank 0 only; its DoneRecord (or None) on every rank."""
+        record = work() if self._session is None or self._session.rank == 0 else None
+        if self._session is not None:
+            record = self._session.fg.broadcast(record and record.to_json(), phase)
+            record = record and done_mod.DoneRecord(**record)
+        return record
 
     # inspection --------------------------------------------------------------
     def latest(self) -> str | None:
@@ -386,3 +422,9 @@ class CheckpointManager:
 
     def generations(self) -> list[str]:
         return self.store.generations()
+
+
+def _log_rate(verb: str, info: GenerationInfo, seconds: float, note: str) -> None:
+    """One INFO line per save and restore: what, how much, how long, how fast."""
+    log.info("%s %s: %s bytes in %.3f s (%.2f GB/s)%s", verb, info.name, f"{info.size:,}", seconds,
+             info.size / 1e9 / max(seconds, 1e-9), f"; {note}" if note else "")

@@ -35,19 +35,19 @@ from typing import Any
 from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, InvalidArgument, InvalidType,
                      PendingGradients)
 from .format import tensorfile
-from .format.manifest import (FORMAT_VERSION, MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, Pointer,
-                              check_name, generation_name, parse_generation_name, parse_pointer, parse_run,
-                              run_to_bytes)
+from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, Pointer, check_name,
+                              generation_name, parse_pointer, parse_run, run_to_bytes)
 from .format.signing import SigningKey
 from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, rehearse
 from .lifecycle.retention import Retention
+from . import revisions
 from .records import GenerationInfo
 from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store
-from .storage.verify import Verified, verify_generation
+from .storage.verify import verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
@@ -64,6 +64,9 @@ class Pending:
     skeleton: dict
     tensors: dict
     extra: dict
+
+    def __post_init__(self) -> None:
+        self.prepared = self.name  # ``name`` may become a revision (gen-U-r001) when it is published
 
     @property
     def estimated_bytes(self) -> int:
@@ -114,7 +117,14 @@ def prepare(state: TrainState, retention: Retention, *, weights_only: bool, incl
             "gradients are pending: a backward pass accumulated into .grad since the last optimizer.step(). "
             "A checkpoint here would lose them. Save after optimizer.step() (and zero_grad), or pass "
             "include_grads=True to save the gradients too, with your microbatch cursor in state.counters.")
-    skeleton, tensors = snapshot.capture(state, kind=kind, include_grads=include_grads)
+    unaccounted = state.unaccounted_gradients() if kind == "full" and not include_grads else {}
+    if unaccounted and not state._grads.unaccounted_logged:
+        state._grads.unaccounted_logged = True
+        names = [f"{m}.{p}" for m, grads in unaccounted.items() for p in grads]
+        log.info("recording the gradients of %d parameters that no registered optimizer steps (%s): nothing can "
+                 "tell whether a hand-written update consumed them. To leave them out, set them to None first "
+                 "(model.zero_grad(set_to_none=True))", len(names), ", ".join(names[:5] + ["..."][:len(names) > 5]))
+    skeleton, tensors = snapshot.capture(state, kind=kind, include_grads=include_grads, unaccounted=unaccounted)
     positions = {n: c.data_position() for n, c in state.data_positions().items()} if kind == "full" else {}
     name = generation_name(state.next_update, kind)
     if state.lineage is None:
@@ -132,17 +142,10 @@ def roll_back(pending: Pending, state: TrainState) -> bool:
 
     Returns whether the state's parent changed back.
     """
-    if pending.kind == "full" and state.parent == pending.name:
+    if pending.kind == "full" and state.parent == pending.prepared:
         state.parent = pending.parent
         return True
     return False
-
-
-def _same_timeline(existing: list, ours: list) -> bool:
-    """Whether a generation with timeline record ``existing`` lies on the timeline ``ours`` continues."""
-    if not existing or not ours:
-        return True  # no record (older format, or weights-only): assume the same, the safe refusal
-    return existing[-1][0] == ours[-1][0]
 
 
 class Publisher:
@@ -159,6 +162,7 @@ class Publisher:
         self.preflight = preflight
         self.headroom = headroom
         self.published: str | None = None  # the last generation whose pointer move completed
+        self.renamed: dict[str, str] = {}  # prepared name -> the generation it was published as, or found in
         self.after_publish: Callable[[str], None] | None = None  # told each published name (a mirror's uploader)
 
     def publish(self, p: Pending) -> GenerationInfo:
@@ -166,7 +170,8 @@ class Publisher:
 
         Saving again at an update that already has a generation of this
         timeline holding the same state writes nothing and returns that
-        generation's info.
+        generation's info; a different state at that update is published
+        as a revision that supersedes it (:meth:`make_room`).
         """
         self.store.lock()
         self.finish_interrupted_replacements()
@@ -211,7 +216,18 @@ class Publisher:
                           verified.manifest.digest_algorithm, p.next_update, p.kind)
         self.store.write_pointer(POINTER if p.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(self.key))
         self.published = p.name  # durably: from here on the save has succeeded, whatever happens next
+        self.was_published_as(p.prepared, p.name)
         return GenerationInfo.from_verified(self.store, verified)
+
+    def was_published_as(self, prepared: str, name: str) -> None:
+        """A save prepared as ``prepared`` ended up as ``name``: a save prepared before this was known (a
+        background save in flight) names ``prepared`` as its parent, and gets ``name`` instead."""
+        if prepared == name:
+            self.renamed.pop(prepared, None)
+            return
+        self.renamed[prepared] = name
+        while len(self.renamed) > 16:
+            del self.renamed[next(iter(self.renamed))]
 
     def _put_back(self, superseded: str, name: str) -> None:
         """A replacement failed: the generation it was to replace goes back under its name."""
@@ -245,80 +261,53 @@ class Publisher:
 
     # 2. an existing generation of the same name --------------------------------
     def make_room(self, p: Pending) -> GenerationInfo | str | None:
-        """Decide what happens to an existing generation with the name about to be published.
+        """Decide what happens to existing generations at the update about to be published.
 
-        Returns ``None`` when the name is free (or was freed without losing
-        anything), the name the old generation was set aside under when it
-        is to be replaced (removed only after the pointer has moved), or the
-        existing generation's info when it already holds this state.
+        Returns ``None`` when ``p.name`` is free (``p.name`` may have become
+        a revision, ``gen-<update>-r001``...), the name an old generation was
+        set aside under when it is to be replaced under its own name (removed
+        only after the pointer has moved), or the existing generation's info
+        when it already holds this state.
 
-        - A damaged one (restore fell back past it) is moved aside under a
-          name restore ignores, keeping the evidence.
-        - A pinned one is never replaced.
-        - One from a timeline this run abandoned (it resumed from an older
-          generation, or started a new timeline) is moved aside as evidence.
-        - One of this timeline at the same update: if it holds the same state
-          (the same ``state.json``) and no new metrics, saving again is a
-          no-op; otherwise the state changed without ``next_update``
-          advancing, which is refused.
-        - A valid generation that the pointer does not name (an interrupted
-          publication of this update), and the latest weights-only generation
-          when a resumed run reaches its update again, are superseded.
+        Full generations (:func:`trainstate.revisions.full_at_update`): a
+        second save at an update this timeline already published is a no-op
+        when the state and metrics are the same, and otherwise publishes a
+        revision that supersedes the earlier one. A weights-only generation of the same
+        name is replaced (a damaged one moved aside as evidence first; a
+        pinned one never replaced).
         """
+        p.parent = self.renamed.get(p.parent, p.parent)  # an earlier save published under another name
+        if p.kind == "full":
+            return revisions.full_at_update(self, p)
         name = p.name
         if name not in self.store.generations():
             return None
-        kind = parse_generation_name(name)[1]
-        committed = self.committed_name(kind)
         try:
-            verified = verify_generation(self.store, name, key=self.key)
+            verify_generation(self.store, name, key=self.key)
         except CorruptGeneration as exc:
             aside = self.store.set_aside(name, "rejected")
             log.warning("moved damaged %s aside to %s before publishing over it: %s", name, aside, exc)
             return None
-        existing = verified.manifest
-        try:
-            pinned = sorted(pin for pin, g in self.lifecycle.pins().items() if g == name)
-        except CorruptGeneration:
-            pinned = ["? (the pins file is unreadable)"]
-        if pinned:
-            raise GenerationExists(f"{name} exists and is pinned ({', '.join(pinned)}); a pinned generation is "
-                                   "never replaced. Unpin it first, or save at another update.")
-        if kind == "full" and not _same_timeline(existing.lineage, p.extra["lineage"]):
-            aside = self.store.set_aside(name, "abandoned")
-            log.warning("moved %s aside to %s: it belongs to a timeline this run abandoned", name, aside)
-            return None
-        if kind == "full" and (committed == name or p.parent == name) and existing.format_version == FORMAT_VERSION:
-            return self._same_update_again(p, verified)
-        if existing.format_version != FORMAT_VERSION:
-            log.info("replacing %s (format %d) with the same update in format %d", name, existing.format_version,
-                     FORMAT_VERSION)
-            return self.store.set_aside(name, "superseded")
-        if kind == "weights" and committed == name:
+        self._refuse_pinned(name)
+        if self.committed_name("weights") == name:
             log.info("replacing %s, the latest weights-only generation: the run resumed from an earlier full "
                      "generation and reached this update again", name)
         else:
-            log.warning("replacing %s, which is not the committed latest (%s): it is an interrupted or "
-                        "abandoned publication of the same update", name, committed)
+            log.warning("replacing %s, which is not the latest weights-only generation: it is an interrupted or "
+                        "abandoned publication of the same update", name)
         return self.store.set_aside(name, "superseded")
 
-    def _same_update_again(self, p: Pending, verified: Verified) -> GenerationInfo:
-        """A second save at an update this timeline already published: a no-op if nothing changed."""
-        existing = verified.manifest
-        with self.store.open(p.name, STATE) as stream:
-            saved_state = stream.read(existing.file(STATE).size + 1)
-        new_metrics = p.extra["metrics"]
-        if saved_state != snapshot.state_json(p.skeleton):
-            raise GenerationExists(
-                f"{p.name} is already published and the state changed since (counters, facts, optimizer or "
-                "scheduler settings, RNG, or pending gradients differ) although next_update did not advance. "
-                "Advance state.next_update after each update; generations are immutable.")
-        if new_metrics and new_metrics != existing.metrics:
-            raise GenerationExists(
-                f"{p.name} is already published with metrics {existing.metrics}; a save at the same update "
-                f"cannot add {new_metrics}. Pass the metrics to the first save at this update.")
-        log.info("%s already holds this state (the same update on the same timeline): nothing written", p.name)
-        return GenerationInfo.from_verified(self.store, verified)
+    def pinned(self, name: str) -> list[str]:
+        try:
+            return sorted(pin for pin, g in self.lifecycle.pins().items() if g == name)
+        except CorruptGeneration:
+            return ["? (the pins file is unreadable)"]
+
+    def _refuse_pinned(self, name: str) -> None:
+        pinned = self.pinned(name)
+        if pinned:
+            raise GenerationExists(f"{name} exists and is pinned ({', '.join(pinned)}); a pinned generation is "
+                                   "never replaced. Unpin it first, or save at another update.")
 
     def run_identity(self) -> str:
         """The run directory's identity, bound into every manifest; recorded (durably) before the first commit.
@@ -353,9 +342,15 @@ class Publisher:
         free = self.store.free_bytes()
         if free is None or free >= needed:
             return
+        join_removals = getattr(self.store, "join_removals", lambda: True)
+        if join_removals():  # generations pruned earlier may still be being deleted in the background
+            free = self.store.free_bytes() or 0
+            if free >= needed:
+                return
         plan = self.lifecycle.prune(self.retention)
         if plan.prune:
             log.warning("pruned %s before saving %s to make room", ", ".join(plan.prune), name)
+            join_removals()
             free = self.store.free_bytes() or 0
         if free < needed:
             raise InsufficientSpace(self.store.location, name, needed, free)

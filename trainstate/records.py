@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import FieldChange, Rejection
 from .storage.base import Store
 from .storage.verify import Verified
+
+if TYPE_CHECKING:
+    from .lifecycle.done import DoneRecord
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class RestoreInfo:
     rejected: tuple[Rejection, ...] = ()
     contract_changes: tuple[FieldChange, ...] = ()
     warnings: tuple[str, ...] = ()
+    done: DoneRecord | None = None  # the run finished at this generation with this contract: exit at once
 
     @property
     def identical_continuation(self) -> bool:

@@ -7,9 +7,18 @@
    by parsed update number, recording each rejection.
 2. Check (:func:`restore`): the experiment contract and the component set,
    before any live object changes.
-3. Load: either from the fresh tensors the verifying read produced, or, for
-   large states, in place: the first pass kept only meta placeholders, and a
-   second pass reads each tensor straight into the live tensor it matches.
+3. Load. A ``blake3-chunked`` generation (format 3, the default) is read
+   once: the choice read only its manifest, ``state.json``, the tensor-file
+   headers and the RNG tensors, each from verified chunks; then every chunk
+   is read, digested on every core, and copied into the live tensor it
+   belongs to only after it verified (:mod:`trainstate.storage.chunked`).
+   No unverified byte reaches a live tensor. A chunk that fails late leaves
+   earlier, verified chunks in live tensors: the state is then *unusable*
+   (:func:`unusable`; every save refuses it with :class:`StateUnusable`)
+   until a fallback generation loads completely over it, which restore tries
+   next. Older generations (one digest per file) load as before: fresh
+   tensors from the verifying read, or, above ``IN_PLACE_BYTES``, a verifying
+   pass keeping meta placeholders and a second pass into the live tensors.
 4. Record: contract changes go into the run's history, the lineage continues
    (or forks, when resuming from an older generation).
 
@@ -20,13 +29,16 @@ The trusted reading itself (pointer, manifest, digests, strict decoding) is
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import (CorruptGeneration, NoValidGeneration, PointerRollback, Rejection, StateMismatch,
-                     WeightsOnlyGeneration)
-from .format.manifest import POINTER, RUN, Manifest, Pointer, parse_generation_name, parse_pointer, parse_run
+                     StateUnusable, WeightsOnlyGeneration)
+from .format.digest import CHUNKED
+from .format.manifest import (POINTER, RUN, Manifest, Pointer, generation_order, parse_generation_name, parse_pointer,
+                              parse_run)
 from .format.signing import SigningKey
 from .lifecycle.generations import new_timeline
 from .records import GenerationInfo, RestoreInfo
@@ -34,12 +46,28 @@ from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store
-from .storage.verify import Verified, decode_verified, verify_generation
+from .storage.chunked import Progress
+from .storage.verify import Verified, decode_verified, preview_headers, verify_generation
 
 log = logging.getLogger("trainstate")
 IN_PLACE_BYTES = 256 << 20  # restore(in_place=None) loads in place above this much tensor data
 
-Chosen = tuple[Verified, dict[str, Any], bool]  # the generation, its decoded payload, whether it is a preview
+Chosen = tuple[Verified, dict[str, Any], str]  # the generation, its decoded payload, how it loads (see load)
+_UNUSABLE: weakref.WeakKeyDictionary[TrainState, str] = weakref.WeakKeyDictionary()
+
+
+def unusable(state: TrainState) -> str | None:
+    """Why ``state`` must not be saved or trained on (a restore failed after live tensors changed), or None."""
+    return _UNUSABLE.get(state)
+
+
+def refuse_unusable(state: TrainState) -> None:
+    """Raise :class:`StateUnusable` for a state a failed restore left partly loaded."""
+    reason = _UNUSABLE.get(state)
+    if reason is not None:
+        raise StateUnusable(f"this TrainState is unusable: {reason}. Saving it would publish a mix of two states. "
+                            "Rebuild the live objects (model, optimizer, ...) and restore again, or restore a "
+                            "generation that loads completely.")
 
 
 def restore(store: Store, state: TrainState, *, key: SigningKey | None, generation: str | None = None,
@@ -50,8 +78,6 @@ def restore(store: Store, state: TrainState, *, key: SigningKey | None, generati
     See :meth:`trainstate.CheckpointManager.restore` for the semantics.
     """
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
-    if in_place is None and getattr(store, "remote", False):
-        in_place = False  # a second pass would download everything again: one pass into fresh tensors instead
     held = HeldFiles(store)  # the second, in-place pass reads the very files the first pass verified
     try:
         return _restore(held, state, key=key, generation=generation, allow=allow,
@@ -62,18 +88,46 @@ def restore(store: Store, state: TrainState, *, key: SigningKey | None, generati
 
 def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generation: str | None, allow: list[str],
              statistical_cuda: bool, in_place: bool | None) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
-    chosen, rejected, interrupted = choose(store, key, generation, preview=in_place)
-    if chosen is None:
-        return None, rejected
-    verified, payload, previewed = chosen
-    name = verified.manifest.generation
-    accepted = contract_mod.check(payload["contract"]["fields"], state.contract_fields(), name, allow)
-    snapshot.check_components(state, payload, name)
-    checked = None
-    if previewed:  # every check on the preview, then the second pass writes into live tensors
-        checked = snapshot.check_before_load(state, payload, statistical_cuda=statistical_cuda)
-        payload = load_in_place(store, state, verified)
+    failed: list[Rejection] = []  # generations whose one-pass load found damage after the choice
+    while True:
+        try:
+            chosen, rejected, interrupted = choose(store, key, generation, preview=in_place, skip=failed)
+        except NoValidGeneration as exc:
+            if not failed:
+                raise
+            raise NoValidGeneration(store.location, exc.rejections, unusable=unusable(state)) from None
+        rejected = tuple(failed) + rejected
+        if chosen is None:
+            return None, rejected
+        verified, payload, mode = chosen
+        name = verified.manifest.generation
+        state.settle_contract(payload["contract"]["fields"], allow)
+        accepted = contract_mod.check(payload["contract"]["fields"], state.contract_fields(), name, allow)
+        snapshot.check_components(state, payload, name)
+        checked = None
+        if mode != "fresh":  # every check on the preview, then the load pass writes into live tensors
+            checked = snapshot.check_before_load(state, payload, statistical_cuda=statistical_cuda)
+        if mode == "stream":
+            progress = Progress()
+            try:
+                payload = decode_verified(store, verified.manifest, into=snapshot.destinations(state),
+                                          progress=progress)
+            except CorruptGeneration as exc:
+                failed.append(Rejection(name, str(exc)))
+                if progress.live_changed:
+                    _UNUSABLE[state] = (f"restoring {name} failed after {progress.chunks} verified chunks were "
+                                        f"loaded into live tensors ({exc})")
+                log.warning("rejected %s while loading it (%s); %s", name, exc,
+                            "live tensors hold part of it: the state is unusable unless another generation "
+                            "loads completely" if progress.live_changed else "no live tensor had changed")
+                if generation is not None:
+                    raise NoValidGeneration(store.location, failed, unusable=unusable(state)) from None
+                continue
+        elif mode == "preview":
+            payload = load_in_place(store, state, verified)
+        break
     warnings = snapshot.apply(state, payload, statistical_cuda=statistical_cuda, checked=checked)
+    _UNUSABLE.pop(state, None)  # every component loaded completely from one verified generation
     if accepted:
         state.history.append({"event": "contract_change", "restored_from": name,
                               "next_update": state.next_update,
@@ -89,8 +143,8 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
                        tuple(warnings)), rejected
 
 
-def choose(store: Store, key: SigningKey | None, generation: str | None, preview: bool | None = False
-           ) -> tuple[Chosen | None, tuple[Rejection, ...], tuple[str, ...]]:
+def choose(store: Store, key: SigningKey | None, generation: str | None, preview: bool | None = False,
+           skip: list[Rejection] = ()) -> tuple[Chosen | None, tuple[Rejection, ...], tuple[str, ...]]:
     """The generation to restore, verified and decoded, the rejections on the way to it, and the
     interrupted saves passed over (see :func:`candidates`).
 
@@ -98,8 +152,10 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
     :class:`NoValidGeneration` when generations exist but none verifies.
     A generation that disappears while it is read (pruned by a live writer)
     is not damage: the choice starts again from the pointer, a bounded
-    number of times.
+    number of times. ``skip``: generations this restore already rejected
+    (damage found while loading them), passed over.
     """
+    skipped = {r.generation for r in skip}
     if generation is not None:
         parsed = parse_generation_name(generation)
         if parsed is not None and parsed[1] == "weights":
@@ -112,6 +168,8 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
         rejected = list(order.rejected)
         vanished = False
         for name in order.names:
+            if name in skipped:
+                continue
             try:
                 chosen = load(store, key, name, order.pointer if name == order.pointer_generation else None, preview,
                               run=order.run)
@@ -128,7 +186,7 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
             continue
         if not order.names and order.pointer is None and not order.rejected:
             return None, (), ()
-        raise NoValidGeneration(store.location, rejected)
+        raise NoValidGeneration(store.location, list(skip) + rejected)
     raise NoValidGeneration(store.location, [Rejection(store.location, f"generations kept disappearing while "
                                                                        f"read ({VANISHED_RETRIES} attempts)")])
 
@@ -208,7 +266,7 @@ def candidates(store: Store, key: SigningKey | None) -> Candidates:
 def _descendants_ahead(store: Store, key: SigningKey | None, pointer: Pointer, others: list[str],
                        run: str | None) -> list[tuple[str, Manifest]]:
     """Structurally valid full generations newer than the pointer's that descend from it, newest first."""
-    newer = [n for n in others if parse_generation_name(n)[0] > pointer.next_update]
+    newer = [n for n in others if generation_order(n) > generation_order(pointer.generation)]
     if not newer:
         return []
     try:
@@ -289,8 +347,13 @@ def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | Non
          run: str | None = None) -> Chosen:
     """Verify a generation completely while decoding it; any defect is a CorruptGeneration.
 
-    With ``preview`` (``None``: when the tensor files exceed ``IN_PLACE_BYTES``)
-    large tensors are digested but not kept: the payload has meta tensors.
+    The payload and how it loads: ``"stream"`` for a ``blake3-chunked``
+    generation unless ``preview`` is False (a preview read from headers only;
+    the one load pass verifies each chunk before copying it into live
+    tensors); ``"preview"`` for an older generation when ``preview`` is true
+    (``None``: when its tensor files exceed ``IN_PLACE_BYTES``; every byte
+    digested, large tensors kept as meta placeholders, a second pass loads
+    in place); else ``"fresh"``: every tensor verified into fresh memory.
     """
     verified = verify_generation(store, name, pointer, content=False, key=key)
     manifest = verified.manifest
@@ -299,9 +362,12 @@ def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | Non
         raise StateMismatch(
             f"{name} was written by {manifest.world_size} ranks (torch.distributed): restore it under torchrun, "
             "where the manager runs collectively (a different world size needs allow_changes=['world_size'])")
-    if preview is None:
-        preview = sum(f.size for f in manifest.files if f.name.endswith(".safetensors")) > IN_PLACE_BYTES
-    return verified, decode_verified(store, manifest, preview=preview), preview
+    if manifest.digest_algorithm == CHUNKED and preview is not False:
+        return verified, preview_headers(store, manifest), "stream"
+    if preview is None:  # a second pass over an object store would download everything again
+        preview = (not getattr(store, "remote", False)
+                   and sum(f.size for f in manifest.files if f.name.endswith(".safetensors")) > IN_PLACE_BYTES)
+    return verified, decode_verified(store, manifest, preview=preview), "preview" if preview else "fresh"
 
 
 def load_in_place(store: Store, state: TrainState, verified: Verified) -> dict[str, Any]:
@@ -375,7 +441,7 @@ def continue_lineage(store: Store, manifest: Manifest, ignore: tuple[str, ...] =
     record = [list(e) for e in manifest.lineage] or [["legacy", None]]
     update = manifest.next_update
     newer = [n for n in store.generations() if (p := parse_generation_name(n)) and p[1] == "full"
-             and p[0] > update and n not in ignore]
+             and generation_order(n) > generation_order(manifest.generation) and n not in ignore]
     if not newer:
         return record
     return record[:-1] + [[record[-1][0], update], [new_timeline(), None]]

@@ -10,25 +10,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import TrainStateError
 from ..tools.diff import diff, render
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    return report_command("diff", args, lambda: diff(args.a, args.b), render)
+
+
+def report_command(name: str, args: argparse.Namespace, compute: Callable[[], Any],
+                   render_report: Callable[[Any], str]) -> int:
+    """Print a comparison report (text or ``--json``); exit 0 identical, 1 different, 2 error."""
     try:
-        report = diff(args.a, args.b)
+        report = compute()
     except (TrainStateError, OSError, ValueError, KeyError) as exc:
         if args.json:
             print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
         else:
-            print(f"trainstate diff: {exc}", file=sys.stderr)
+            print(f"trainstate {name}: {exc}", file=sys.stderr)
         return 2
     args.broken_pipe_status = 0 if report.identical else 1
     if args.json:
         print(json.dumps(report.to_dict(), indent=1, allow_nan=False))
     else:
-        print(render(report))
+        print(render_report(report))
     return 0 if report.identical else 1
 
 

@@ -1,4 +1,5 @@
-"""``trainstate export GENERATION OUT``: one component's weights as safetensors, with a model card, for release.
+"""``trainstate export GENERATION OUT``: one component's weights as safetensors, a model card and the included
+files, with a release manifest, for release.
 
 Registered by :mod:`trainstate.cli.main` through :func:`add_parser`; the work is
 :func:`trainstate.tools.export.export`.
@@ -10,6 +11,9 @@ import argparse
 import json
 from typing import Any
 
+from ..errors import TrainStateError
+from ..format import signing
+from ..tools.bundle import is_bundle as _is_bundle, verify_bundle
 from ..tools.export import DTYPES, export
 
 
@@ -24,20 +28,66 @@ def add_parser(sub: Any) -> None:
                    help="cast floating-point tensors (integer and bool buffers keep theirs); default: as trained")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="split into model-0000i-of-0000N.safetensors shards above SIZE (e.g. 5GB, 500MiB)")
+    p.add_argument("--include", action="append", default=[], metavar="PATH",
+                   help="copy a file, or a directory's files, into OUT (tokenizer files, generation_config.json, "
+                   "a license); repeatable")
+    p.add_argument("--hf-config", default=None, metavar="PATH",
+                   help="a Hugging Face config.json (or a directory holding one) to write beside the weights; by "
+                   "default the contract's 'config' field when it has a 'model_type'")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export, then print what was written."""
     info = export(args.generation, args.out, component=args.component, dtype=args.dtype,
-                  max_shard_size=args.max_shard_size)
+                  max_shard_size=args.max_shard_size, include=args.include, hf_config=args.hf_config)
     if args.json:
         print(json.dumps({"directory": info.directory, "generation": info.generation, "files": list(info.files),
                           "total_bytes": info.total_bytes, "shards": info.shards,
-                          "tied": {k: list(v) for k, v in info.tied.items()}, "dtype": info.dtype}, indent=1))
+                          "tied": {k: list(v) for k, v in info.tied.items()}, "dtype": info.dtype,
+                          "world_size": info.world_size, "config": info.config, "included": list(info.included),
+                          "signed": info.signed}, indent=1))
     else:
-        print(f"exported {args.component} of {info.generation} to {info.directory}: {info.shards} file(s), "
-              f"{info.total_bytes} bytes of tensors, dtype {info.dtype or 'as trained'}")
+        print(f"exported {args.component} of {info.generation} ({info.world_size} rank(s)) to {info.directory}: "
+              f"{info.shards} file(s), {info.total_bytes} bytes of tensors, dtype {info.dtype or 'as trained'}"
+              + (", config.json" if info.config else "") + (f", {len(info.included)} included file(s)"
+                                                             if info.included else ""))
+        print(f"  release manifest {'signed' if info.signed else 'unsigned'}: check with `trainstate verify "
+              f"{info.directory}`")
         for kept, names in sorted(info.tied.items()):
             print(f"  {kept} stored once, re-tied on load to {', '.join(names)}")
     return 0
+
+
+def is_bundle(target: str) -> bool:
+    """Whether ``trainstate verify TARGET`` names a release bundle (a local directory with a release manifest)."""
+    return "://" not in target and _is_bundle(target)
+
+
+def cmd_verify_bundle(args: argparse.Namespace) -> int:
+    """Check every file of a release bundle against its manifest (and its signature, when a key is configured:
+    ``TRAINSTATE_SIGNING_KEY`` or ``TRAINSTATE_SIGNING_KEY_FILE``); exit 1 naming each bad file."""
+    failures: list[dict[str, str]] = []
+    files: tuple[str, ...] = ()
+    signed = checked = False
+    try:
+        report = verify_bundle(args.target, signing.resolve(None, args.target))
+        files, signed, checked = report.files, report.signed, report.signature_checked
+        failures = [{"file": name, "error": problem} for name, problem in report.problems.items()]
+    except (TrainStateError, OSError) as exc:
+        failures.append({"file": "release-manifest.json", "error": str(exc)})
+    bad = {f["file"] for f in failures}
+    verified = [name for name in files if name not in bad]
+    args.broken_pipe_status = 1 if failures else 0
+    if args.json:
+        print(json.dumps({"bundle": args.target, "verified": verified, "failures": failures, "signed": signed,
+                          "signature_checked": checked}, indent=1))
+    else:
+        for name in verified:
+            print(f"ok      {name}")
+        for failure in failures:
+            print(f"FAILED  {failure['file']}: {failure['error']}")
+        if not failures:
+            print(f"release bundle {args.target}: {len(verified)} file(s) match the manifest; signature "
+                  + ("checked" if checked else "present, not checked (no key configured)" if signed else "absent"))
+    return 1 if failures else 0

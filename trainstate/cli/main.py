@@ -16,18 +16,21 @@ from typing import Any
 
 from . import cost as cli_cost
 from . import diff as cli_diff
+from . import inspecting
+from . import doctor as cli_doctor
 from . import export as cli_export
 from . import lifecycle as cli_lifecycle
+from . import listing
+from . import timeline as cli_timeline
+from . import supervise as cli_supervise
 from ..format import signing
-from ..errors import CorruptGeneration, InvalidArgument, TrainStateError
+from ..errors import InvalidArgument, TrainStateError
 from ..storage.base import Store
 from ..storage.locate import open_existing, split_generation
 from ..storage.objectclient import is_url
-from ..format.signing import SigningKey
-from ..format.manifest import POINTER, WEIGHTS_POINTER, parse_generation_name, parse_pointer
-from ..lifecycle.generations import Lifecycle
+from ..format.manifest import POINTER, parse_generation_name
 from ..lifecycle.rehearsal import load_factory, rehearse
-from ..restore import check_run, expected_run, recovery_point
+from ..restore import check_run, expected_run
 from ..storage.verify import read_layouts, read_manifest, read_state_json, verify_generation
 
 DESCRIPTION = """\
@@ -48,77 +51,17 @@ def _open_target(target: str) -> tuple[Store, list[str], bool]:
     return store, store.generations(), False
 
 
-def _pointers(store: Store, key: SigningKey | None) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name in (POINTER, WEIGHTS_POINTER):
-        try:
-            data = store.read_pointer(name)
-            if data is None:
-                continue
-            p = parse_pointer(data, name, key)
-            out[name] = {"generation": p.generation, "ok": True, "pointer": p}
-        except CorruptGeneration as exc:
-            out[name] = {"generation": None, "ok": False, "error": str(exc)}
-    return out
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
+    """Generations as a table (or ``--timeline``), and the recovery point: chosen as restore chooses, its
+    digests checked (``--quick``: by structure only, and said so)."""
     store, names, _ = _open_target(args.directory)
-    key = signing.resolve(None, store.location)
-    pointers = _pointers(store, key)
-    latest = {v["generation"]: k for k, v in pointers.items() if v["ok"]}
-    rows = []
-    for name in names:
-        row: dict[str, Any] = {"generation": name, "update": parse_generation_name(name)[0],
-                               "kind": parse_generation_name(name)[1], "latest": latest.get(name)}
-        try:
-            v = verify_generation(store, name, content=args.full, key=key)
-            row.update(size=v.manifest_size + sum(f.size for f in v.manifest.files), created=v.manifest.created,
-                       state="verified" if args.full else "structure ok")
-        except (TrainStateError, OSError) as exc:
-            row.update(size=None, created=None, state=f"INVALID: {exc}")
-        rows.append(row)
-    recovery = recovery_point(store, key)
-    pins: dict[str, str] = {}
-    try:
-        pins = Lifecycle(store, key).pins()
-    except CorruptGeneration as exc:
-        rows.append({"generation": "pins", "update": 0, "kind": "-", "latest": None, "size": None,
-                     "created": None, "state": f"INVALID: {exc}"})
-    for r in rows:
-        r["pins"] = sorted(p for p, g in pins.items() if g == r["generation"])
-    evidence = [{"name": n, "reason": n.split(".", 1)[1].rsplit("-", 1)[0]} for n in store.aside()]
-    report = {"directory": store.location, "generations": rows, "leftovers": store.leftovers(),
-              "set_aside": evidence, "recovery_point": recovery, "pins": pins,
-              "pointers": {k: {kk: vv for kk, vv in v.items() if kk != "pointer"} for k, v in pointers.items()}}
+    report = listing.gather(store, names, signing.resolve(None, store.location), full=args.full, quick=args.quick)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"{'generation':<26}{'update':>10}  {'kind':<8}{'size':>12}  {'created':<33}{'latest':<16}state")
-    for r in rows:
-        size = "-" if r["size"] is None else f"{r['size']:,}"
-        print(f"{r['generation']:<26}{r['update']:>10}  {r['kind']:<8}{size:>12}  {r['created'] or '-':<33}"
-              f"{r['latest'] or '':<16}{r['state']}{'  pinned: ' + ', '.join(r['pins']) if r['pins'] else ''}")
-    latest = pointers.get(POINTER, {}).get("generation")
-    if recovery and latest not in (None, recovery):
-        print(f"recovery point: {recovery} (a restart resumes here; latest names {latest}, which it passes over)")
-    elif recovery:
-        print(f"recovery point: {recovery} (a restart resumes here)")
-    else:
-        print("recovery point: none (no valid full generation; weights-only generations are not restart protection)")
-    for name, p in report["pointers"].items():
-        if not p["ok"]:
-            print(f"pointer {name}: INVALID: {p['error']}")
-    for name in report["leftovers"]:
-        print(f"leftover from an interrupted save (removed by the next save): {name}")
-    for entry in evidence:
-        print(f"set aside ({_ASIDE_WHY.get(entry['reason'], entry['reason'])}): {entry['name']}; "
-              f"after review: trainstate discard {store.location} {entry['name']}")
+    for line in (cli_timeline.timeline(report) if args.timeline else listing.table(report)):
+        print(line)
     return 0
-
-
-_ASIDE_WHY = {"rejected": "damaged, kept as evidence", "abandoned": "a timeline the run left, kept as evidence",
-              "superseded": "being replaced; the next save finishes that"}
 
 
 def cmd_discard(args: argparse.Namespace) -> int:
@@ -147,6 +90,8 @@ def cmd_discard(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if cli_export.is_bundle(args.target):  # a release bundle written by `trainstate export`
+        return cli_export.cmd_verify_bundle(args)
     store, names, single = _open_target(args.target)
     key = signing.resolve(None, store.location)
     failures: list[dict[str, str]] = []
@@ -162,7 +107,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except (TrainStateError, OSError) as exc:
             failures.append({"generation": name, "error": str(exc)})
     if not single:
-        pointers = _pointers(store, key)
+        pointers = listing.read_pointers(store, key)
         if POINTER not in pointers and any(parse_generation_name(n)[1] == "full" for n in names):
             failures.append({"generation": POINTER, "error": "missing, but full generations exist; restore "
                              "would have to fall back to the newest generation that verifies"})
@@ -205,28 +150,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _tree(node: Any, layouts: dict[str, dict[str, Any]]) -> Any:
-    """Replace tensor references by their dtype, shape and size, read from file headers."""
-    if type(node) is list:
-        return [_tree(v, layouts) for v in node]
-    if type(node) is dict:
-        if len(node) == 1 and ("$t" in node or "$nd" in node):
-            ref = next(iter(node.values()))
-            entry = layouts.get(ref) if type(ref) is str else None
-            if entry is None:
-                return {"tensor": ref, "error": "not found in any tensor file"}
-            return {"tensor": ref, "dtype": entry["dtype"], "shape": entry["shape"], "bytes": entry["bytes"]}
-        if len(node) == 1 and type(node.get("$map")) is list:
-            return {json.dumps(pair[0]) if type(pair[0]) is not str else pair[0]: _tree(pair[1], layouts)
-                    for pair in node["$map"] if type(pair) is list and len(pair) == 2}
-        if len(node) == 1 and type(node.get("$tuple")) is list:
-            return [_tree(v, layouts) for v in node["$tuple"]]
-        if len(node) == 1 and type(node.get("$odict")) is dict:
-            return _tree(node["$odict"], layouts)
-        return {k: _tree(v, layouts) for k, v in node.items()}
-    return node
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     store, names, single = _open_target(args.generation)
     if not single:
@@ -238,56 +161,51 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     state = read_state_json(store, manifest)
     layouts = {e.name: {"dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape), "bytes": e.nbytes}
                for layout in read_layouts(store, manifest).values() for e in layout.entries}
+    raw = state.get("components") if type(state.get("components")) is dict else {}
+    states = {n: c.get("state") if type(c) is dict else c for n, c in raw.items()}
+    shared = {ref: paths for ref, paths in inspecting.references(states).items() if len(paths) > 1}
     report = {
         "generation": manifest.generation, "kind": manifest.kind, "next_update": manifest.next_update,
         "created": manifest.created, "digest_algorithm": manifest.digest_algorithm,
         "files": [{"name": f.name, "size": f.size} for f in manifest.files], "versions": manifest.versions,
-        "parent": manifest.parent, "data": manifest.data,
+        "parent": manifest.parent, "data": manifest.data, "metrics": manifest.metrics,
         "clocks": state.get("clocks"), "counters": state.get("counters"), "facts": state.get("facts"),
         "contract": state.get("contract"), "history": state.get("history"),
-        "components": _tree(state.get("components"), layouts),
+        "components": {n: ({**c, "state": inspecting.tree(c.get("state"), layouts, shared, n)} if type(c) is dict
+                           else c) for n, c in raw.items()},
+        "shared_tensors": list(shared.values()),
         "tensor_bytes": sum(v["bytes"] for v in layouts.values()),
     }
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"{report['generation']}  kind={report['kind']}  next_update={report['next_update']}  "
-          f"created={report['created']}")
-    print(f"clocks: {report['clocks']}  counters: {report['counters']}")
-    for name, pos in manifest.data.items():
-        print(f"data {name}: epoch {pos['epoch']}, next batch {pos['cursor']} of {pos['batches_per_epoch']}, "
-              f"samples seen {pos['samples_seen']:,}, tokens seen {pos['tokens_seen']:,}, "
-              f"next-batch fingerprint {pos['next_batch']}")
-    if report["facts"]:
-        print(f"facts: {report['facts']}")
-    print(f"tensor data: {report['tensor_bytes']:,} bytes in {len(layouts)} tensors")
-    for name, comp in (report["components"] or {}).items():
-        print(f"{name}  ({comp.get('type') if type(comp) is dict else '?'})")
-        _print_tree(comp.get("state") if type(comp) is dict else comp, "  ")
-    fields = (report["contract"] or {}).get("fields", {}) if type(report["contract"]) is dict else {}
-    print("contract:")
-    for key, value in fields.items():
-        text = json.dumps(value)
-        print(f"  {key}: {text if len(text) < 100 else text[:97] + '...'}")
+    for line in _inspect_lines(report, manifest, states, layouts, shared):
+        print(line)
     return 0
 
 
-def _print_tree(node: Any, indent: str) -> None:
-    if type(node) is dict and "tensor" in node and "dtype" in node:
-        print(f"{indent}{node['dtype']} {node['shape']} ({node['bytes']:,} B)")
-        return
-    if type(node) is dict:
-        for key, value in node.items():
-            if type(value) is dict and "tensor" in value and "dtype" in value:
-                print(f"{indent}{key}: {value['dtype']} {value['shape']} ({value['bytes']:,} B)")
-            elif type(value) in (dict, list):
-                print(f"{indent}{key}:")
-                _print_tree(value, indent + "  ")
-            else:
-                print(f"{indent}{key}: {json.dumps(value)}")
-    elif type(node) is list:
-        text = json.dumps(node)
-        print(f"{indent}{text if len(text) < 100 else text[:97] + '...'}")
+def _inspect_lines(report: dict[str, Any], manifest: Any, states: dict[str, Any], layouts: dict[str, Any],
+                   shared: dict[str, list[str]]) -> list[str]:
+    lines = [f"{report['generation']}  kind={report['kind']}  next_update={report['next_update']}  "
+             f"created={report['created']}", f"clocks: {report['clocks']}  counters: {report['counters']}"]
+    if report["parent"]:
+        lines.append(f"parent: {report['parent']}")
+    if report["metrics"]:
+        lines.append(f"metrics: {report['metrics']}")
+    for name, pos in manifest.data.items():
+        lines.append(f"data {name}: epoch {pos['epoch']}, next batch {pos['cursor']} of {pos['batches_per_epoch']}, "
+                     f"samples seen {pos['samples_seen']:,}, tokens seen {pos['tokens_seen']:,}, "
+                     f"next-batch fingerprint {pos['next_batch']}")
+    if report["facts"]:
+        lines += ["facts:"] + inspecting.render(report["facts"], layouts, {}, "  ")
+    names = sum(len(p) for p in shared.values())
+    lines.append(f"tensor data: {report['tensor_bytes']:,} bytes in {len(layouts)} tensors"
+                 + (f" ({names} names share {len(shared)} of them: tied)" if shared else ""))
+    for name, comp in (report["components"] or {}).items():
+        lines.append(f"{name}  ({comp.get('type') if type(comp) is dict else '?'})")
+        lines += inspecting.render(states.get(name), layouts, shared, "  ", name)
+    fields = (report["contract"] or {}).get("fields", {}) if type(report["contract"]) is dict else {}
+    return lines + ["contract:"] + inspecting.contract_lines(fields)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -309,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", help="list generations, their state and which is latest")
     p.add_argument("directory")
     p.add_argument("--full", action="store_true", help="verify every file's digest, not just structure")
+    p.add_argument("--quick", action="store_true", help="judge the recovery point by structure only (no digests "
+                   "read; it is then labelled unchecked)")
+    p.add_argument("--timeline", action="store_true", help="draw the run's lineage: timelines, forks, and what "
+                   "each retention rule keeps")
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("verify", help="verify every committed generation (exit 1 on any failure)")
     p.add_argument("target", help="a run directory or one generation directory")
@@ -334,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli_lifecycle.register(sub)
     cli_cost.add_parser(sub)
     cli_diff.add_parser(sub)
+    cli_doctor.add_parser(sub)
     cli_export.add_parser(sub)
+    cli_supervise.add_parsers(sub)
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(broken_pipe_status=0)

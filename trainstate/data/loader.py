@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
-import random
-import threading
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from ..errors import ContinuationWarning, DataMismatch, InvalidArgument, InvalidType, StaleIterator
-from .order import Plan, derive, ids_digest
+from .order import DEFAULT_ORDER, ORDERS, SORT_V1, Plan, derive, ids_digest
 from .samplerng import SampleIndex
+from .workers import EndWithParent, WatchGlobalDraws
 
 log = logging.getLogger("trainstate")
 
@@ -50,83 +48,26 @@ class _EpochBatches(torch.utils.data.Sampler):
     def __init__(self) -> None:
         self.epoch, self.seed, self.batches, self.start = 0, 0, [], 0
 
-    def prepare(self, epoch: int, seed: int, batches: list[np.ndarray], start: int) -> None:
+    def prepare(self, epoch: int, seed: int, batches: Sequence[np.ndarray], start: int) -> None:
         self.epoch, self.seed, self.batches, self.start = epoch, seed, batches, start
 
     def __iter__(self) -> Iterator[list[SampleIndex]]:
-        epoch, seed = self.epoch, self.seed
-        for ids in self.batches[self.start:]:
-            yield [SampleIndex(i, epoch, seed) for i in ids.tolist()]
+        epoch, seed, batches = self.epoch, self.seed, self.batches
+        keyed = getattr(batches, "keyed", None)  # a mixture keys each sample by its source's epoch
+        for i in range(self.start, len(batches)):
+            ids, epochs = keyed(i) if keyed is not None else (batches[i], None)
+            if epochs is None:
+                yield [SampleIndex(j, epoch, seed) for j in ids.tolist()]
+            else:
+                yield [SampleIndex(j, e, seed) for j, e in zip(ids.tolist(), epochs.tolist())]
 
     def __len__(self) -> int:
         return len(self.batches) - self.start
 
 
-def _global_rng_marks() -> tuple:
-    return random.getstate(), np.random.get_state()[1:], torch.get_rng_state()
-
-
-def _same_marks(a: tuple, b: tuple) -> bool:
-    return (a[0] == b[0] and a[1][1:] == b[1][1:] and np.array_equal(a[1][0], b[1][0])
-            and torch.equal(a[2], b[2]))
-
-
-class _EndWithParent:
-    """A ``worker_init_fn`` that also ends the worker soon after its parent dies (then calls the user's).
-
-    torch's workers notice a dead parent only every few seconds, and later
-    under load; a worker that outlives a SIGKILLed trainer holds the
-    dataset's files and memory, and races the restarted run. A daemon thread
-    polls the parent id and exits the worker once it is reparented.
-    """
-
-    def __init__(self, user_init: Callable[[int], None] | None):
-        self.user_init, self.parent = user_init, os.getpid()
-
-    def __call__(self, worker_id: int) -> None:
-        threading.Thread(target=self._watch, name="trainstate-parent-watch", daemon=True).start()
-        if self.user_init is not None:
-            self.user_init(worker_id)
-
-    def _watch(self) -> None:
-        while os.getppid() == self.parent:
-            time.sleep(0.2)
-        os._exit(1)
-
-
-class _WatchGlobalDraws(Dataset):
-    """Wraps the dataset in worker processes to notice draws from the worker's global RNG.
-
-    Such draws continue only statistically after a mid-epoch resume. The flag
-    is shared memory; once raised, the check stops costing anything.
-    """
-
-    def __init__(self, dataset: Any, flag: Any):
-        self.dataset, self.flag = dataset, flag
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Any:
-        if self.flag.value:
-            return self.dataset[index]
-        before = _global_rng_marks()
-        item = self.dataset[index]
-        if not _same_marks(before, _global_rng_marks()):
-            self.flag.value = 1
-        return item
-
-    def __getitems__(self, indices: list[int]) -> list[Any]:
-        batched = getattr(self.dataset, "__getitems__", None)
-        if batched is None:
-            return [self[i] for i in indices]
-        if self.flag.value:
-            return batched(indices)
-        before = _global_rng_marks()
-        items = batched(indices)
-        if not _same_marks(before, _global_rng_marks()):
-            self.flag.value = 1
-        return items
+def _with_algorithm(plan: dict[str, Any]) -> dict[str, Any]:
+    """A saved plan; one without an algorithm name was written before there was a choice: the sort."""
+    return plan if "algorithm" in plan else {**plan, "algorithm": SORT_V1}
 
 
 def _distributed_default(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -162,6 +103,13 @@ class ResumableLoader:
     (``num_workers``, ``prefetch_factor``, ``persistent_workers``,
     ``collate_fn``, ``pin_memory``, ``worker_init_fn``, ...).
 
+    ``order`` names the algorithm of each epoch's order: ``"feistel-v1"``
+    (computed per position, O(batch) at any epoch start or resume) or
+    ``"splitmix64-sort-v1"`` (sorts the whole epoch; every run before
+    feistel-v1). Left at None, a new run uses ``"feistel-v1"`` and a restored
+    run keeps the algorithm its checkpoint recorded. A
+    :class:`~trainstate.Mixture` dataset interleaves its sources instead.
+
     ``__getitem__`` receives a :class:`~trainstate.SampleIndex`; pass it to
     :func:`~trainstate.sample_generator` for augmentation that is identical
     after a resume. ``count_tokens(batch) -> int`` keeps a token clock counted
@@ -173,7 +121,7 @@ class ResumableLoader:
     def __init__(self, dataset: Any, batch_size: int = 1, *, seed: int, shuffle: bool = True,
                  drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
                  uneven: str = "pad", count_tokens: Callable[[Any], int] | None = None,
-                 on_mismatch: str = "error", **loader_kwargs: Any):
+                 on_mismatch: str = "error", order: str | None = None, **loader_kwargs: Any):
         for key, why in _FORBIDDEN.items():
             if key in loader_kwargs:
                 raise InvalidType(f"ResumableLoader does not take {key}=: {why or 'pass it as a keyword of its own'}")
@@ -188,8 +136,16 @@ class ResumableLoader:
             raise InvalidType(f"the dataset ({type(dataset).__qualname__}) has no __len__; ResumableLoader needs a "
                             "map-style dataset (for an IterableDataset, keep the position in the dataset itself)"
                             ) from None
+        if order is not None and order not in ORDERS:
+            raise InvalidArgument(f"order must be one of {', '.join(map(repr, sorted(ORDERS)))} or None (the "
+                                  f"default for a new run, the checkpoint's on resume), got {order!r}")
         rank, world_size = _distributed_default(rank, world_size)
-        self.plan = Plan(length, batch_size, seed, bool(shuffle), bool(drop_last), rank, world_size, uneven)
+        source = dataset.sample_order(seed, bool(shuffle)) if callable(getattr(dataset, "sample_order", None)) \
+            else None
+        self.plan = Plan(length, batch_size, seed, bool(shuffle), bool(drop_last), rank, world_size, uneven,
+                         order or DEFAULT_ORDER, source)
+        self._order_chosen = order is not None  # else a restore adopts the checkpoint's algorithm
+        self._reweight: list | None = None  # saved mixture weights whose change the restore allowed
         if self.plan.batches_per_epoch() == 0:
             raise InvalidArgument(f"an epoch of {length} samples over {world_size} rank(s) gives no batch of "
                              f"{batch_size} (drop_last={drop_last}); use a smaller batch_size")
@@ -207,7 +163,7 @@ class ResumableLoader:
         self._warnings: list[str] = []  # what continues only statistically since the last restore
         self._warned_draws = False
         self._active: object | None = None
-        self._cache: tuple[int, list[np.ndarray]] | None = None
+        self._cache: tuple[tuple, Sequence[np.ndarray]] | None = None
         self._sampler = _EpochBatches()
         workers = loader_kwargs.get("num_workers", 0)
         self._flag = None
@@ -215,8 +171,8 @@ class ResumableLoader:
             context = loader_kwargs.get("multiprocessing_context")
             ctx = multiprocessing.get_context(context) if isinstance(context, (str, type(None))) else context
             self._flag = ctx.RawValue("b", 0)
-            dataset = _WatchGlobalDraws(dataset, self._flag)
-            loader_kwargs["worker_init_fn"] = _EndWithParent(loader_kwargs.get("worker_init_fn"))
+            dataset = WatchGlobalDraws(dataset, self._flag)
+            loader_kwargs["worker_init_fn"] = EndWithParent(loader_kwargs.get("worker_init_fn"))
         self.dataset = dataset
         self.loader = DataLoader(dataset, batch_sampler=self._sampler, **loader_kwargs)
 
@@ -225,11 +181,11 @@ class ResumableLoader:
         """Batches per epoch for this rank."""
         return self.plan.batches_per_epoch()
 
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """The sample ids of every batch of ``epoch`` on this rank (no data is loaded)."""
+    def epoch_batches(self, epoch: int) -> Sequence[np.ndarray]:
+        """The sample ids of every batch of ``epoch`` on this rank: a lazy sequence (no data is loaded)."""
         start = self.start if epoch == self.epoch else 0
-        if self._cache is None or self._cache[0] != (epoch, start):
-            self._cache = ((epoch, start), self.plan.batches(epoch, start))
+        if self._cache is None or self._cache[0] != (epoch, start, self.plan):
+            self._cache = ((epoch, start, self.plan), self.plan.batches(epoch, start))
         return self._cache[1]
 
     def __iter__(self) -> Iterator[Any]:
@@ -306,17 +262,24 @@ class ResumableLoader:
                  "worker_global_draws": self._global_draws()}
         if self.start:  # only after a reshard to another world size, mid-epoch
             saved["start"] = self.start
+        if self.plan.source is not None and len(self.plan.source.segments) > 1:  # after a mixture reweight
+            saved["mixture_segments"] = self.plan.source.saved_segments()
         return saved
 
     def check_state_dict(self, saved: Any) -> None:
         """Raise :class:`DataMismatch` if ``saved`` cannot be this loader's position; changes nothing."""
         if type(saved) is not dict or not all(type(saved.get(k)) is int and saved[k] >= 0 for k in _POSITION_KEYS):
             raise DataMismatch(f"not a ResumableLoader state: expected non-negative ints {_POSITION_KEYS}")
-        live = self.plan.as_dict()
         plan = saved.get("plan")
         if type(plan) is not dict:
             raise DataMismatch("the saved loader state has no plan")
-        changed = [f"{k}: checkpoint {plan.get(k)!r}, this run {live[k]!r}" for k in live if plan.get(k) != live[k]]
+        plan = _with_algorithm(plan)
+        resumed, reweighted = self._resumed_plan(saved)
+        live = resumed.as_dict()
+        if reweighted:  # allowed by the restore: the new weights continue the saved position
+            plan = {**plan, "mixture": {**plan["mixture"], "weights": live["mixture"]["weights"]}}
+        changed = [f"{k}: checkpoint {plan.get(k)!r}, this run {live.get(k)!r}" for k in sorted(set(live) | set(plan))
+                   if plan.get(k) != live.get(k)]
         if changed:
             raise DataMismatch(
                 "the data plan differs from the checkpoint's, so its position would name other samples: "
@@ -325,7 +288,7 @@ class ResumableLoader:
         start = saved.get("start", 0)
         if type(start) is not int or not 0 <= start < self.plan.dataset_len:
             raise DataMismatch(f"malformed epoch start {start!r:.40}")
-        batches = len(self.plan.batches(saved["epoch"], start)) if start else len(self)
+        batches = self.plan.batches_per_epoch(start)
         if saved["cursor"] >= batches:
             raise DataMismatch(f"cursor {saved['cursor']} is not below the {batches} batches of the epoch")
         expected = saved.get("next_batch")
@@ -335,9 +298,12 @@ class ResumableLoader:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.check_state_dict(saved)
+        self.plan, reweighted = self._resumed_plan(saved)
+        self._reweight = None
         self.epoch, self.cursor, self.start = saved["epoch"], saved["cursor"], saved.get("start", 0)
         self.samples_seen, self.tokens_seen = saved["samples_seen"], saved["tokens_seen"]
-        self._expected = dict(saved["next_batch"])
+        # after an allowed reweight the next batch is deliberately another one than the checkpoint recorded
+        self._expected = None if reweighted else dict(saved["next_batch"])
         self._active = None
         self._warnings = []
         self._warned_draws = False
@@ -361,11 +327,19 @@ class ResumableLoader:
         """
         if not saved or not all(type(s) is dict for s in saved):
             raise DataMismatch("no saved loader positions to reshard from")
-        plans = [s.get("plan") for s in saved]
-        fixed = ("dataset_len", "seed", "shuffle", "drop_last", "uneven", "algorithm")
-        live = self.plan.as_dict()
-        for plan in plans:
-            changed = [k for k in fixed if type(plan) is not dict or plan.get(k) != live[k]]
+        plans = [_with_algorithm(s["plan"]) if type(s.get("plan")) is dict else None for s in saved]
+        fixed = ("dataset_len", "seed", "shuffle", "drop_last", "uneven", "algorithm", "order_params", "mixture")
+        if plans[0] is None:
+            raise DataMismatch("the saved loader state has no plan")
+        try:
+            plan, reweighted = self._resumed_plan(saved[0])  # adopted order; a mixture's segments
+        except (KeyError, TypeError):
+            raise DataMismatch("not ResumableLoader states") from None
+        live = plan.as_dict()
+        for old in plans:
+            if reweighted and type(old) is dict and type(old.get("mixture")) is dict:
+                old = {**old, "mixture": {**old["mixture"], "weights": live["mixture"]["weights"]}}
+            changed = [k for k in fixed if type(old) is not dict or old.get(k) != live.get(k)]
             if changed:
                 raise DataMismatch("the data plan differs from the checkpoint's beyond the world size and batch "
                                    f"size ({', '.join(changed)}): its position would name other samples")
@@ -378,21 +352,71 @@ class ResumableLoader:
             raise DataMismatch(f"the saved ranks stopped at different positions {sorted(positions)}")
         (epoch, cursor, start), = positions
         old_world, old_batch = plans[0]["world_size"], plans[0]["batch_size"]
-        consumed = start + cursor * old_batch * old_world
-        epoch, start = (epoch, consumed) if consumed < self.plan.dataset_len else (epoch + 1, 0)
-        ids = self.plan.batches(epoch, start)[0]
-        state = {"epoch": epoch, "cursor": 0, "samples_seen": samples // self.plan.world_size,
-                 "tokens_seen": tokens // self.plan.world_size, "plan": live,
+        consumed = start + cursor * old_batch * old_world  # the global count of this epoch's positions read
+        epoch, start = (epoch, consumed) if consumed < plan.dataset_len else (epoch + 1, 0)
+        ids = plan.batches(epoch, start)[0]
+        state = {"epoch": epoch, "cursor": 0, "samples_seen": samples // plan.world_size,
+                 "tokens_seen": tokens // plan.world_size, "plan": live,
                  "next_batch": {"epoch": epoch, "cursor": 0, "size": len(ids), "ids_digest": ids_digest(epoch, 0, ids)},
                  "worker_global_draws": any(s.get("worker_global_draws") for s in saved)}
         if start:
             state["start"] = start
+        if plan.source is not None and len(plan.source.segments) > 1:
+            state["mixture_segments"] = plan.source.saved_segments()
         notes = []
-        if old_batch * old_world != self.plan.batch_size * self.plan.world_size:
+        if old_batch * old_world != plan.batch_size * plan.world_size:
             notes.append(f"the global batch size changed from {old_batch * old_world} ({old_world} x {old_batch}) to "
-                         f"{self.plan.batch_size * self.plan.world_size}: the samples continue in the same order, "
+                         f"{plan.batch_size * plan.world_size}: the samples continue in the same order, "
                          "grouped into updates of another size")
         return state, notes
+
+    def settle_contract(self, saved: Any, allowed: Callable[[str], bool] | None = None) -> None:
+        """Called by a restore before it compares contracts, with this loader's saved plan.
+
+        A loader whose ``order`` was left at None takes the algorithm the
+        checkpoint recorded, so a run saved under ``splitmix64-sort-v1``
+        continues with it; a saved plan without an algorithm name (written
+        before there was a choice) is normalised, in place, to the sort.
+        Every other difference is the contract's (and then
+        :meth:`check_state_dict`'s) to refuse. ``allowed(key)`` says whether
+        the restore's ``allow_changes`` accept a change of plan key ``key``.
+        """
+        if type(saved) is not dict:
+            return
+        if "algorithm" not in saved:  # written before the algorithm was named: normalised where it lies
+            saved["algorithm"] = SORT_V1
+        self.plan = self._plan_for(saved)
+        mixture = saved.get("mixture")
+        if self.plan.source is not None and type(mixture) is dict and allowed is not None \
+                and allowed("mixture.weights") and mixture.get("weights") != list(self.plan.source.weights):
+            self._reweight = mixture.get("weights")  # load_state_dict starts a segment with this run's weights
+
+    def _resumed_plan(self, saved: dict[str, Any]) -> tuple[Plan, bool]:
+        """The plan that continues ``saved`` (adopted order, mixture segments), and whether it reweights."""
+        plan = self._plan_for(_with_algorithm(saved["plan"]))
+        source, mixture = plan.source, saved["plan"].get("mixture")
+        if source is None or type(mixture) is not dict:
+            return plan, False
+        try:
+            old = replace(source, weights=tuple(mixture["weights"]), segments=())
+            if saved.get("mixture_segments") is not None:
+                old = old.with_segments(saved["mixture_segments"])
+                source = source.with_segments(saved["mixture_segments"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataMismatch(f"malformed saved mixture state: {exc}") from None
+        if self._reweight is None or self._reweight != mixture["weights"] or list(source.weights) == mixture["weights"]:
+            return replace(plan, source=source), False
+        consumed = saved.get("start", 0) + saved["cursor"] * saved["plan"]["batch_size"] * saved["plan"]["world_size"]
+        return replace(plan, source=old.reweighted(saved["epoch"] * source.length + consumed, source.weights)), True
+
+    def _plan_for(self, saved: dict[str, Any]) -> Plan:
+        """This loader's plan, with the saved order algorithm when this run left ``order`` at None."""
+        algorithm = saved.get("algorithm")
+        if self._order_chosen or algorithm not in ORDERS or algorithm == self.plan.algorithm:
+            return self.plan
+        if self.plan.source is not None and algorithm == SORT_V1:
+            return self.plan  # a mixture's plan never recorded the sort; the comparison names the difference
+        return replace(self.plan, algorithm=algorithm)
 
     # checks ------------------------------------------------------------------
     def _check_expected(self, epoch: int, cursor: int, ids: np.ndarray) -> None:

@@ -143,6 +143,13 @@ def capture(state: TrainState, ranks: Ranks, *, weights_only: bool = False) -> R
         raise PendingGradients(
             "gradients are pending: a backward pass accumulated into .grad since the last optimizer.step(). "
             "A multi-rank checkpoint does not store gradients: save after optimizer.step() (and zero_grad).")
+    unaccounted = [f"{m}.{p}" for m, grads in state.unaccounted_gradients().items() for p in grads]
+    if not weights_only and unaccounted:
+        raise PendingGradients(
+            f"{', '.join(unaccounted[:5])}{' ...' if len(unaccounted) > 5 else ''} hold gradients that no registered "
+            "optimizer steps, so nothing can tell whether they were consumed, and a multi-rank checkpoint does not "
+            "store gradients. Set them to None after your update (model.zero_grad(set_to_none=True)), or register "
+            "the optimizer that steps them.")
     dcp, sharded = sharded_state(state, weights_only=weights_only)
     others = {} if weights_only else {n: c for n, c in state.components.items() if n not in sharded}
     encoded = {}

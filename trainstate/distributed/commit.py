@@ -45,6 +45,7 @@ from ..publish import TENSORS, Pending, Publisher
 from ..records import GenerationInfo
 from ..state import contract as contract_mod
 from ..state.snapshot import state_json
+from ..storage import chunked
 from ..storage.verify import verify_generation
 from .capture import RankSnapshot
 from .group import Ranks, collective
@@ -112,6 +113,7 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publi
         raise CheckpointFailed("begin", {0: shared["error"]})
     if staging is not None:
         shared["_staging"], shared["_superseded"] = staging, outcome.get("_superseded")
+    pending.name = shared.get("name", pending.name)  # rank 0 may publish it as a revision (gen-U-r001)
     return shared
 
 
@@ -127,7 +129,7 @@ def _rank0_begin(pending: Pending, store: Any, publisher: Publisher, total_bytes
         publisher.check_space(pending.name, total_bytes)
     run = publisher.run_identity()
     staging = store.begin(pending.name)
-    return {"staging": staging.name, "lineage": pending.extra["lineage"], "run": run,
+    return {"staging": staging.name, "lineage": pending.extra["lineage"], "run": run, "name": pending.name,
             "_superseded": existing}, staging
 
 
@@ -255,6 +257,9 @@ def verify_share(store: Any, manifest: Manifest, ranks: Ranks) -> None:
         where = f"{manifest.generation}/{record.name}"
         try:
             with store.open(manifest.generation, record.name) as stream:
+                if record.chunks:  # blake3-chunked: every chunk checked on its own, on every core
+                    chunked.verify_file(stream, record, where, manifest.digest_algorithm)
+                    continue
                 size, digest = digest_stream(stream, manifest.digest_algorithm, record.size)
         except FileNotFoundError:
             raise CorruptGeneration(where, "missing") from None

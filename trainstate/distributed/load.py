@@ -154,6 +154,7 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     warnings: list[str] = []
     accepted: list = []
     try:
+        state.settle_contract(payload["contract"]["fields"], allow)
         accepted = contract_mod.check(payload["contract"]["fields"], contract_fields(state, ranks.world_size),
                                       name, allow)
         _check_sharded(state, sharded["components"], name)

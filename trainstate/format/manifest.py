@@ -1,7 +1,8 @@
 """Generation names, the manifest and the ``latest`` pointer: pure (de)serialisation.
 
 A generation is a directory ``gen-<12-digit update>`` (``-weights`` appended for
-weights-only generations) holding ``manifest.json`` and the files it lists.
+weights-only generations, ``-r001``... for a later save at the same update
+that supersedes it) holding ``manifest.json`` and the files it lists.
 The manifest gives every file's size and digest; the pointer names the
 generation and carries the manifest's own digest and size, so a reader can
 check the chain pointer -> manifest -> files before trusting any byte.
@@ -12,7 +13,9 @@ Format versions: 2 added the ``$odict`` tag and encodes ``facts`` with the
 codec (format 1 kept them as plain JSON). Writers write ``FORMAT_VERSION``;
 readers accept every version in ``READABLE_VERSIONS``, so a run directory may
 hold generations of both, while a reader that predates a version refuses it
-rather than misreading ``{"$odict": ...}`` as a dict.
+rather than misreading ``{"$odict": ...}`` as a dict. 3 added the
+``blake3-chunked`` digest (see :mod:`trainstate.format.digest`): each file
+record then lists its chunk digests, which must combine into its digest.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from .digest import ALGORITHMS, digest_bytes
+from .digest import ALGORITHMS, CHUNKED, chunk_count, chunked_top, digest_bytes
 from ..errors import CorruptGeneration, InvalidArgument
 from .signing import SigningKey
 from .strictjson import loads
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 STATE = "state.json"
 POINTER = "latest"
@@ -38,16 +41,23 @@ RUN = "run-identity"  # the run directory's identity, bound into every manifest
 MAX_JSON_BYTES = 64 << 20
 KINDS = ("full", "weights")
 
-_GEN_RE = re.compile(r"gen-(\d{12})(-weights)?")
+_GEN_RE = re.compile(r"gen-(\d{12})(-weights|-r(?!000)\d{3})?")  # -rNNN: a later save at the same update
 _FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX_RE = re.compile(r"[0-9a-f]{16,128}")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def generation_name(next_update: int, kind: str = "full") -> str:
+MAX_REVISION = 999
+
+
+def generation_name(next_update: int, kind: str = "full", revision: int = 0) -> str:
+    """``gen-<12-digit update>``; ``-weights`` for weights-only, ``-r001``... for a full generation that
+    supersedes an earlier one at the same update (a later save whose state differs)."""
     if not 0 <= next_update < 10**12:
         raise InvalidArgument(f"next_update must be in [0, 10**12), got {next_update}")
-    return f"gen-{next_update:012d}" + ("-weights" if kind == "weights" else "")
+    if not 0 <= revision <= MAX_REVISION or (revision and kind != "full"):
+        raise InvalidArgument(f"revision must be in [0, {MAX_REVISION}] (full generations only), got {revision}")
+    return f"gen-{next_update:012d}" + ("-weights" if kind == "weights" else f"-r{revision:03d}" if revision else "")
 
 
 def parse_generation_name(name: str) -> tuple[int, str] | None:
@@ -55,13 +65,25 @@ def parse_generation_name(name: str) -> tuple[int, str] | None:
     match = _GEN_RE.fullmatch(name)
     if match is None:
         return None
-    return int(match[1]), "weights" if match[2] else "full"
+    return int(match[1]), "weights" if match[2] == "-weights" else "full"
+
+
+def generation_order(name: str) -> tuple[int, int]:
+    """``(update, revision)`` of a generation name: the order of saves (revision 0: the first at its update).
+
+    Call only on names :func:`parse_generation_name` accepts.
+    """
+    match = _GEN_RE.fullmatch(name)
+    if match is None:
+        raise InvalidArgument(f"{name!r} is not a generation name")
+    tail = match[2] or ""
+    return int(match[1]), int(tail[2:]) if tail.startswith("-r") else 0
 
 
 def newest_first(names: list[str]) -> list[str]:
-    """Generation names ordered by parsed update number, newest first; others dropped."""
-    parsed = [(parse_generation_name(n), n) for n in names]
-    return [n for p, n in sorted((p, n) for p, n in parsed if p is not None)[::-1]]
+    """Generation names ordered by parsed update number (then revision), newest first; others dropped."""
+    parsed = [(p[0], p[1], generation_order(n)[1], n) for n in names if (p := parse_generation_name(n))]
+    return [n for *_, n in sorted(parsed, reverse=True)]
 
 
 @dataclass(frozen=True)
@@ -69,6 +91,7 @@ class FileRecord:
     name: str
     size: int
     digest: str
+    chunks: tuple[str, ...] = ()  # blake3-chunked: the digest of each 4 MiB chunk, in order
 
 
 @dataclass(frozen=True)
@@ -93,7 +116,8 @@ class Manifest:
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
-        data["files"] = [asdict(f) for f in self.files]
+        data["files"] = [{k: (list(v) if k == "chunks" else v) for k, v in asdict(f).items()
+                          if k != "chunks" or v} for f in self.files]
         for optional in ("data", "metrics", "retention", "lineage", "run", "ranks"):
             if not data[optional]:
                 del data[optional]
@@ -212,18 +236,35 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
     for item in raw["files"]:
         if type(item) is not dict:
             raise CorruptGeneration(where, "file records must be objects")
-        _check(where, item, {"name": str, "size": int, "digest": str})
+        _check(where, item, {"name": str, "size": int, "digest": str}, {"chunks": list})
         if not _FILE_RE.fullmatch(item["name"]) or item["name"] == MANIFEST or not _HEX_RE.fullmatch(item["digest"]):
             raise CorruptGeneration(where, f"invalid file record {item['name']!r:.60}")
         if item["size"] < 0:
             raise CorruptGeneration(where, f"negative size for {item['name']!r:.60}")
-        files.append(FileRecord(item["name"], item["size"], item["digest"]))
+        files.append(FileRecord(item["name"], item["size"], item["digest"],
+                                _chunks(where, item, raw["digest_algorithm"] == CHUNKED)))
     if len({f.name for f in files}) != len(files) or STATE not in {f.name for f in files}:
         raise CorruptGeneration(where, f"file list must be unique and include {STATE}")
     _check_ranks(where, raw, {f.name for f in files})
     del raw["format"], raw["self_digest"]
     raw.pop("signature", None)
     return Manifest(**{**raw, "files": tuple(files)})
+
+
+def _chunks(where: str, item: dict, chunked: bool) -> tuple[str, ...]:
+    """A file record's chunk digests: present exactly under ``blake3-chunked``, one per chunk, and
+    combining into the file's digest (so a reader may trust each one on its own)."""
+    chunks = item.get("chunks")
+    if not chunked:
+        if chunks is not None:
+            raise CorruptGeneration(where, f"{item['name']!r:.60} lists chunk digests under a whole-file digest")
+        return ()
+    if chunks is None or len(chunks) != chunk_count(item["size"]) or not all(
+            type(c) is str and _HEX_RE.fullmatch(c) and len(c) == 64 for c in chunks):
+        raise CorruptGeneration(where, f"malformed chunk digests for {item['name']!r:.60}")
+    if chunked_top(item["size"], chunks) != item["digest"]:
+        raise CorruptGeneration(where, f"the chunk digests of {item['name']!r:.60} do not combine into its digest")
+    return tuple(chunks)
 
 
 def _check_ranks(where: str, raw: dict, files: set[str]) -> None:

@@ -5,4 +5,6 @@
 - ``cadence``: when to save (Young/Daly) and the measurements behind it.
 - ``preemption``: signals turned into a save at the next boundary.
 - ``rehearsal``: a restart into fresh objects, to prove a generation restores.
+- ``done``: the DONE record that says a run finished, and its verification.
+- ``supervise`` / ``supervisor``: the bounded restart policy (pure) and the process loop applying it.
 """

@@ -14,8 +14,8 @@ import secrets
 from collections.abc import Callable, Mapping
 
 from ..errors import CorruptGeneration, GenerationNotFound, InvalidArgument, PinNotFound
-from ..format.manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, parse_generation_name, parse_pins,
-                       parse_pointer, pins_to_bytes)
+from ..format.manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, generation_order,
+                               parse_generation_name, parse_pins, parse_pointer, pins_to_bytes)
 from .retention import Plan, Retention, best_generation, plan
 from ..format.signing import SigningKey
 from ..storage.base import Store
@@ -56,7 +56,7 @@ class Lifecycle:
         """Pin ``generation`` (which must exist and verify) under ``name``; replaces a pin of that name."""
         check_name("pin", name)
         if parse_generation_name(generation) is None:
-            raise InvalidArgument(f"{generation!r} is not a generation name (gen-<12 digits>[-weights])")
+            raise InvalidArgument(f"{generation!r} is not a generation name (gen-<12 digits>[-weights|-rNNN])")
         with self.store.exclusive("pins"):
             if generation not in self.store.generations():
                 raise GenerationNotFound(f"no generation {generation} in {self.store.location}")
@@ -174,8 +174,8 @@ class Lifecycle:
         ranges = [(timeline, end) for timeline, end in top.lineage]
         out = {newest}
         for name, manifest in manifests.items():
-            if manifest.kind != "full" or manifest.next_update > top.next_update:
-                continue
+            if manifest.kind != "full" or generation_order(name) > generation_order(newest):
+                continue  # newer, or a later revision at its update: never an ancestor
             own = manifest.lineage[-1][0] if manifest.lineage else "legacy"
             if any(own == t and (end is None or manifest.next_update <= end) for t, end in ranges):
                 out.add(name)
@@ -193,15 +193,16 @@ class Lifecycle:
         manifests = self.manifests(names)
         lineage = self.lineage(anchors.get("full"), manifests)
         pins = self.pins()
-        decided = plan(names, policy=policy, newest=anchors, lineage=lineage, pins=pins,
-                       best=self._best(policy, manifests))
         full = anchors.get("full")
+        forks = {end for _, end in manifests[full].lineage[:-1]} if full in manifests else set()
+        decided = plan(names, policy=policy, newest=anchors, lineage=lineage, pins=pins,
+                       best=self._best(policy, manifests), forks=forks)
         record = manifests[full].retention if full in manifests else None
         recorded = policy_from_record(record) if record else None
         if recorded is None or recorded == policy:
             return decided
         under_recorded = plan(names, policy=recorded, newest=anchors, lineage=lineage, pins=pins,
-                              best=self._best(recorded, manifests))
+                              best=self._best(recorded, manifests), forks=forks)
         lost = sorted(set(decided.prune) - set(under_recorded.prune))
         note = (f"the policy in force ({policy}) differs from the one {full} recorded ({recorded})"
                 + (f"; it prunes {', '.join(lost)}, which the recorded policy keeps" if lost else ""))

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CorruptGeneration, ExistingRun, TrainStateError
-from ..format.manifest import (MANIFEST, POINTER, RUN, WEIGHTS_POINTER, Pointer, parse_generation_name,
-                               parse_pointer, parse_run)
+from ..format.manifest import (MANIFEST, POINTER, RUN, WEIGHTS_POINTER, Pointer, generation_order,
+                               parse_generation_name, parse_pointer, parse_run)
 from ..format.signing import SigningKey
 from ..storage.base import Store
 from ..storage.verify import Verified, read_manifest, verify_generation
@@ -72,7 +72,7 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None) -
     try:
         for record in manifest.files:
             with src.open(name, record.name) as stream:
-                written = staging.write(record.name, _blocks(stream))
+                written = staging.write(record.name, _blocks(stream), algorithm=manifest.digest_algorithm)
             if (written.size, written.digest) != (record.size, record.digest):
                 raise CorruptGeneration(f"{src.location}/{name}/{record.name}",
                                         f"{manifest.digest_algorithm} digest mismatch while copying to {dst.location}")
@@ -127,10 +127,10 @@ def pull_newer(local: Store, remote: Store, key: SigningKey | None) -> str | Non
     the run back; where local is ahead or level nothing is copied. A remote
     candidate that fails verification is passed over for the next older.
     """
-    newest_local = max((parse_generation_name(n)[0] for n in local.generations()
-                        if parse_generation_name(n)[1] == "full"), default=-1)
+    newest_local = max((generation_order(n) for n in local.generations()
+                        if parse_generation_name(n)[1] == "full"), default=(-1, 0))
     candidates = [n for n in remote.generations() if parse_generation_name(n)[1] == "full"
-                  and parse_generation_name(n)[0] > newest_local]
+                  and generation_order(n) > newest_local]  # a later revision at the same update is newer
     if not candidates:
         return None
     same_run(remote, local, key)
@@ -201,8 +201,8 @@ class Mirror:
         or closed before its upload finished); without this it would be
         uploaded only after the next save, and never if the run saves no more.
         """
-        update, kind = parse_generation_name(name)
-        if kind == "full" and (self._remote is None or update > self._remote[1]):
+        kind = parse_generation_name(name)[1]
+        if kind == "full" and (self._remote is None or generation_order(name) > generation_order(self._remote[0])):
             self.published(name)
 
     def held(self) -> set[str]:

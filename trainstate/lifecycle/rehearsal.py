@@ -90,6 +90,7 @@ def _rehearse(manifest: Manifest, payload: dict[str, Any], fresh: TrainState,
               allow_changes: tuple[str, ...]) -> Rehearsal:
     name = manifest.generation
     checks = ["digests"]
+    fresh.settle_contract(payload["contract"]["fields"], allow_changes)
     contract_mod.check(payload["contract"]["fields"], fresh.contract_fields(), name, allow_changes)
     checks.append("contract")
     snapshot.check_components(fresh, payload, name)

@@ -24,6 +24,12 @@ A ``GradScaler`` that finds inf/NaN skips ``optimizer.step()``; the step's
 gradients are then spent all the same (the loop zeroes them next). So a
 scaler registered in the same TrainState records them too: its ``step``
 method is wrapped on that instance only, and state dicts are unaffected.
+
+Parameters that no registered optimizer holds (a hand-written update,
+``p.data.add_(p.grad, alpha=-lr)``, or no optimizer at all) have nothing
+that can tell whether their ``.grad`` was consumed: :func:`unaccounted`
+names them, and a save records their gradients rather than guess (see
+:mod:`trainstate.state.snapshot`).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class GradientTracker:
         self._optimizers = list(optimizers)
         self._restored = False
         self._steps = 0
+        self.unaccounted_logged = False  # a save said once that it records gradients no optimizer accounts for
         self._handles = [optimizer.register_step_post_hook(self._on_step) for optimizer in self._optimizers]
         for scaler in scalers:
             self._wrap_scaler(scaler)
@@ -117,6 +124,10 @@ class GradientTracker:
                 self._record[id(param)] = _consumed(param)  # zeroed in place: nothing to lose, no rescan
         return False
 
+    def tracked(self) -> set[int]:
+        """``id`` of every parameter the registered optimizers hold now."""
+        return {id(p) for p in self._params()}
+
     def mark_pending(self) -> None:
         """Called after restoring saved gradients: they still await a step."""
         self._restored = True
@@ -125,3 +136,19 @@ class GradientTracker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def unaccounted(modules: dict[str, torch.nn.Module], tracked: set[int]) -> dict[str, dict[str, torch.Tensor]]:
+    """Per module, ``{parameter name: .grad}`` for every gradient no registered optimizer accounts for.
+
+    A parameter shared by two names (tied weights) is listed once, under its first name.
+    """
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+    for module_name, module in modules.items():
+        for name, param in module.named_parameters():
+            if param.grad is None or id(param) in tracked or id(param) in seen:
+                continue
+            seen.add(id(param))
+            out.setdefault(module_name, {})[name] = param.grad
+    return out

@@ -26,8 +26,14 @@ def _type_name(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def capture(state: TrainState, *, kind: str = "full", include_grads: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The state skeleton (JSON-able) and the tensors it references, by name."""
+def capture(state: TrainState, *, kind: str = "full", include_grads: bool = False,
+            unaccounted: dict[str, dict[str, torch.Tensor]] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The state skeleton (JSON-able) and the tensors it references, by name.
+
+    A full generation holds every ``.grad`` with ``include_grads``, and otherwise the
+    ``unaccounted`` ones (:meth:`TrainState.unaccounted_gradients`: no registered optimizer
+    can tell whether they were consumed, so they are kept rather than dropped).
+    """
     table = TensorTable()
     components = state.modules() if kind == "weights" else state.components
     skeleton: dict[str, Any] = {
@@ -51,6 +57,8 @@ def capture(state: TrainState, *, kind: str = "full", include_grads: bool = Fals
             skeleton["grads"] = {
                 name: encode({p: t.grad for p, t in m.named_parameters() if t.grad is not None}, f"grads.{name}", table)
                 for name, m in state.modules().items()}
+        elif unaccounted:
+            skeleton["grads"] = {name: encode(grads, f"grads.{name}", table) for name, grads in unaccounted.items()}
     _check_readable(skeleton)
     return skeleton, table.tensors
 
@@ -87,6 +95,26 @@ def _count(value: object, path: str) -> int:
 
 def state_json(skeleton: dict) -> bytes:
     return json.dumps(skeleton, separators=(",", ":"), allow_nan=False).encode()
+
+
+def changed_parts(saved_state: bytes, skeleton: dict) -> list[str]:
+    """Which parts of a state differ from a saved ``state.json``, in words (for a log line): ``counters``,
+    ``facts``, ``rng``, ``components.optimizer``, ... Tensor values are not compared (tensors are
+    references here); a shape or a new tensor shows as the component changing."""
+    try:
+        saved = json.loads(saved_state)
+    except ValueError:
+        return ["the state"]
+    if type(saved) is not dict:
+        return ["the state"]
+    out = []
+    for key in sorted(set(saved) | set(skeleton)):
+        old, new = saved.get(key), skeleton.get(key)
+        if key == "components" and type(old) is dict and type(new) is dict:
+            out += [f"components.{n}" for n in sorted(set(old) | set(new)) if old.get(n) != new.get(n)]
+        elif old != new:
+            out.append(key)
+    return out or ["the state"]
 
 
 def check_components(state: TrainState, saved: dict[str, Any], generation: str) -> None:
@@ -295,8 +323,8 @@ def destinations(state: TrainState) -> dict[str, torch.Tensor]:
         try:
             saved = component.state_dict()
             encode(saved, name, table)
-        except UnsupportedValue:
-            continue  # it could not be saved either; the load path reports it
+        except Exception:  # noqa: BLE001 - it could not be saved either; loading it by replacement reports it
+            continue
         _readonly_arrays(saved, readonly)
 
     def writable(t: torch.Tensor) -> bool:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from . import contract as contract_mod
 from ..errors import ContinuationWarning, InvalidType
-from .grads import GradientTracker
+from .grads import GradientTracker, unaccounted
 from .rng import Generator, check_generator
 
 RESERVED = frozenset({"rngs", "contract", "capture_global_rngs"})
@@ -99,6 +99,11 @@ class TrainState:
         """True when a backward pass accumulated gradients that no optimizer step has consumed."""
         return self._grads.pending
 
+    def unaccounted_gradients(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Gradients (``.grad``, by module and parameter name) that no registered optimizer steps, so nothing
+        can tell whether they were consumed: a hand-written update, or no optimizer at all. A save records them."""
+        return unaccounted(self.modules(), self._grads.tracked())
+
     def _warn_unregistered_schedulers(self) -> None:
         """Once per optimizer, at a save: an LR scheduler drives it, but none is registered here.
 
@@ -124,6 +129,17 @@ class TrainState:
     def data_positions(self) -> dict[str, Any]:
         """Components that keep a data position (``data_position()``), by name."""
         return {n: c for n, c in self.components.items() if callable(getattr(c, "data_position", None))}
+
+    def settle_contract(self, saved: Mapping[str, Any], allow: Iterable[str] = ()) -> None:
+        """Before a restore compares contracts: components whose plan the checkpoint settles (a loader's
+        order algorithm left to its default) read their saved field ``loader.<name>``."""
+        allow = [allow] if isinstance(allow, str) else list(allow)
+        for name, component in self.components.items():
+            settle = getattr(component, "settle_contract", None)
+            if callable(settle):
+                field = f"loader.{name}"
+                settle(saved.get(field), lambda key, f=field: any(
+                    f"{f}.{key}" == a or f"{f}.{key}".startswith(a + ".") for a in allow))
 
     def contract_fields(self) -> dict[str, Any]:
         fields = contract_mod.build(self.contract, self.modules())

@@ -35,8 +35,12 @@ class Staging(Protocol):
     generation: str
     name: str  # what another process passes to ``Store.join`` to write into this staging area
 
-    def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False) -> FileRecord:
+    def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False,
+              algorithm: str | None = None) -> FileRecord:
         """Write one file from ``chunks``; return its size and digest once durable.
+
+        ``algorithm``: the digest to compute (default: the store's), e.g. a
+        copied generation's own, so the copy checks against its manifest.
 
         ``stable``: the chunks' memory stays unchanged until this returns, so
         the backend may digest it after writing instead of beside the write.

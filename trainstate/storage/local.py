@@ -36,6 +36,7 @@ from ..errors import (CorruptGeneration, DirectoryLocked, GenerationExists, Read
                       TrainStateError)
 from ..format.digest import Hasher, digest_stream, new_hasher
 from ..format.manifest import FileRecord, newest_first
+from .deleter import BackgroundDeleter
 from .posix import PosixOps, _fsync_beside, _hash_while_writing, _write_all, coalesce, open_regular
 
 __all__ = ["LOCK_FILE", "LocalStaging", "LocalStore", "PosixOps", "coalesce", "open_regular"]
@@ -43,7 +44,7 @@ __all__ = ["LOCK_FILE", "LocalStaging", "LocalStore", "PosixOps", "coalesce", "o
 LOCK_FILE = ".trainstate.lock"
 _PREFIX = ".trainstate-"
 _LEFTOVER_RE = re.compile(r"\.trainstate-(staging|trash|tmp)-[A-Za-z0-9._-]{1,80}-[0-9a-f]{16}")
-_ASIDE_RE = re.compile(r"(gen-\d{12}(?:-weights)?|latest|latest-weights|pins|run-identity)\.(rejected|abandoned|superseded)-[0-9a-f]{16}")
+_ASIDE_RE = re.compile(r"(gen-\d{12}(?:-weights|-r\d{3})?|latest|latest-weights|pins|run-identity)\.(rejected|abandoned|superseded)-[0-9a-f]{16}")
 ASIDE_REASONS = ("rejected", "abandoned", "superseded")
 _READ_ONLY = (errno.EACCES, errno.EROFS, errno.EPERM)
 _LOCK_HOLDERS: weakref.WeakSet = weakref.WeakSet()
@@ -95,8 +96,10 @@ class LocalStaging:
                     f"{self.path} (created by rank 0) is not visible here: every rank must see the run directory "
                     "on one shared filesystem")
         self.name = self.path.name
-    def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False) -> FileRecord:
-        hasher = new_hasher(self._store.digest_algorithm)
+    def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False,
+              algorithm: str | None = None) -> FileRecord:
+        algorithm = algorithm or self._store.digest_algorithm
+        hasher = new_hasher(algorithm)
         fd = self._ops.create(self.path / file)
         try:
             if stable:
@@ -105,10 +108,10 @@ class LocalStaging:
             else:
                 size = _hash_while_writing(self._ops, fd, coalesce(chunks), hasher)
                 digest = hasher.hexdigest()
-                self._sync_and_read_back(fd, file, size, digest)
+                self._sync_and_read_back(fd, file, size, digest, algorithm)
         finally:
             self._ops.close(fd)
-        return FileRecord(file, size, digest)
+        return FileRecord(file, size, digest, tuple(getattr(hasher, "chunks", ())))
 
     def _write_then_hash_during_sync(self, fd: int, views: Iterable[memoryview], hasher: Hasher) -> int:
         """Write every view at full speed, then digest the same (unchanged) views while fsync runs.
@@ -138,13 +141,13 @@ class LocalStaging:
         _fsync_beside(self._ops, fd, digest_kept)
         return size
 
-    def _sync_and_read_back(self, fd: int, file: str, size: int, digest: str) -> None:
+    def _sync_and_read_back(self, fd: int, file: str, size: int, digest: str, algorithm: str) -> None:
         """fsync ``fd`` while re-reading the file to check what landed in it."""
         got: list[tuple[int, str]] = []
 
         def read_back() -> None:
             with open_regular(self.path / file) as stream:
-                got.append(digest_stream(stream, self._store.digest_algorithm))
+                got.append(digest_stream(stream, algorithm))
 
         _fsync_beside(self._ops, fd, read_back)
         read_size, read_digest = got[0]
@@ -173,13 +176,14 @@ class LocalStaging:
 class LocalStore:
     """Generations as directories on one local POSIX filesystem."""
 
-    def __init__(self, root: str | Path, digest_algorithm: str = "blake3", *, create: bool = True,
+    def __init__(self, root: str | Path, digest_algorithm: str = "blake3-chunked", *, create: bool = True,
                  ops: PosixOps | None = None):
         self.root = Path(root)
         self.ops = ops if ops is not None else PosixOps()
         self.location = str(self.root)
         self.digest_algorithm = digest_algorithm
         self._lock_fd: int | None = None
+        self._deleter: BackgroundDeleter | None = None
         self._identity: tuple[int, int, int, int] | None = None  # (dev, inode) of the directory and lock file
         if create:
             try:
@@ -200,7 +204,8 @@ class LocalStore:
         return [n for n in newest_first(self._names()) if (self.root / n).is_dir() and not (self.root / n).is_symlink()]
 
     def leftovers(self) -> list[str]:
-        return sorted(n for n in self._names() if _LEFTOVER_RE.fullmatch(n))
+        busy = self._deleter.pending() if self._deleter is not None else set()  # being deleted right now
+        return sorted(n for n in self._names() if _LEFTOVER_RE.fullmatch(n) and n not in busy)
 
     def _generation_dir(self, generation: str) -> Path:
         """A generation's directory, refusing a symbolic link (the listing skips them; so must every reader)."""
@@ -269,10 +274,23 @@ class LocalStore:
         ops.fsync_dir(self.root)
 
     def remove(self, generation: str) -> None:
+        """Gone at once (an fsynced rename to trash); the files are deleted here, or in the background after
+        :meth:`defer_removals` (see :mod:`trainstate.storage.deleter`)."""
         trash = self.root / f"{_PREFIX}trash-{generation}-{_token()}"
         self.ops.rename(self.root / generation, trash)
         self.ops.fsync_dir(self.root)
-        self.ops.rmtree(trash)
+        if self._deleter is not None:
+            self._deleter.submit(trash)
+        else:
+            self.ops.rmtree(trash)
+
+    def defer_removals(self) -> None:
+        """Delete removed generations' files on a background thread, joined by :meth:`unlock`."""
+        if self._deleter is None:
+            self._deleter = BackgroundDeleter(lambda path: self.ops.rmtree(path))
+
+    def join_removals(self, timeout: float | None = None) -> bool:
+        return self._deleter.join(timeout) if self._deleter is not None else True
 
     def set_aside(self, generation: str, reason: str) -> str:
         """Rename a generation out of sight of restore and cleanup, keeping its files as evidence."""
@@ -382,6 +400,7 @@ class LocalStore:
         return info.f_bavail * info.f_frsize
 
     def unlock(self) -> None:
+        self.join_removals()  # no deletion of ours outlives our hold on the directory
         if self._lock_fd is not None:
             # Explicitly, in case a forked child still shares the description (see _drop_inherited_locks).
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)

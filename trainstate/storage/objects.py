@@ -52,7 +52,7 @@ __all__ = ["ObjectStaging", "ObjectStore"]
 _TOKEN = r"[0-9a-f]{16}"
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}"
 _ATTEMPT_RE = re.compile(rf"({_NAME})-({_TOKEN})")
-_ASIDE_RE = re.compile(rf"(gen-\d{{12}}(?:-weights)?)\.(rejected|abandoned|superseded)-{_TOKEN}")
+_ASIDE_RE = re.compile(rf"(gen-\d{{12}}(?:-weights|-r\d{{3}})?)\.(rejected|abandoned|superseded)-{_TOKEN}")
 ASIDE_REASONS = ("rejected", "abandoned", "superseded")
 _RECORD = "trainstate-commit"
 PART_SIZE = 16 << 20  # multipart part size: large enough for throughput, small enough to bound memory
@@ -97,9 +97,10 @@ class ObjectStaging:
             self.name = joined
         self.prefix = f"attempts/{self.name}/"
 
-    def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False) -> FileRecord:
+    def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False,
+              algorithm: str | None = None) -> FileRecord:
         """Upload one file, digesting every byte as it is handed to the client; multipart when large."""
-        hasher = new_hasher(self._store.digest_algorithm)
+        hasher = new_hasher(algorithm or self._store.digest_algorithm)
         size = 0
 
         def digested() -> Iterator[memoryview]:
@@ -114,7 +115,8 @@ class ObjectStaging:
         if landed is None or landed != size:
             raise CorruptGeneration(f"{self.generation}/{file}", f"uploaded {size} bytes, the store holds "
                                     f"{landed if landed is not None else 'nothing'}; the attempt was abandoned")
-        return FileRecord(file, size, hasher.hexdigest())
+        digest = hasher.hexdigest()
+        return FileRecord(file, size, digest, tuple(getattr(hasher, "chunks", ())))
 
     def commit(self) -> None:
         """The create-only commit record: the one moment the generation becomes visible."""
@@ -144,7 +146,7 @@ class ObjectStore:
 
     remote = True  # every read is a download: restore reads each byte once (no second, in-place pass)
 
-    def __init__(self, url: str, digest_algorithm: str = "blake3", *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, url: str, digest_algorithm: str = "blake3-chunked", *, storage_options: dict[str, Any] | None = None,
                  lease_s: float = 60.0, client: Client | None = None):
         self.location = url.rstrip("/")
         self.digest_algorithm = digest_algorithm

@@ -18,11 +18,12 @@ import torch
 
 from ..format import tensorfile
 from ..format.codec import decode
-from ..format.digest import digest_bytes, digest_stream, new_hasher
+from ..format.digest import CHUNKED, digest_bytes, digest_stream, new_hasher
 from ..errors import CorruptGeneration
 from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, check_version, load_json,
                                parse_manifest)
 from ..format.signing import SigningKey
+from . import chunked
 from .base import Store
 
 
@@ -111,6 +112,9 @@ def verify_generation(store: Store, generation: str, pointer: Pointer | None = N
             where = f"{generation}/{record.name}"
             try:
                 with store.open(generation, record.name) as stream:
+                    if record.chunks:  # blake3-chunked: every chunk checked on its own, on every core
+                        chunked.verify_file(stream, record, where, manifest.digest_algorithm)
+                        continue
                     got_size, got = digest_stream(stream, manifest.digest_algorithm, record.size)
             except OSError as exc:
                 raise CorruptGeneration(where, f"unreadable ({exc.strerror})") from None
@@ -235,14 +239,17 @@ def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
 
 
 def decode_verified(store: Store, manifest: Manifest, component: str | None = None, *, preview: bool = False,
-                    into: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                    into: dict[str, torch.Tensor] | None = None,
+                    progress: chunked.Progress | None = None) -> dict[str, Any]:
     """Read every file of a structurally verified generation once, check each digest, decode the payload.
 
     ``preview``: tensors above ``PREVIEW_BYTES`` are read (and digested) but
     not kept; the payload holds meta tensors of their shape and dtype, enough
     for every structural check. ``into``: tensors whose name, shape and dtype
     match are read straight into those live tensors; callers pass it only for
-    a generation that has already verified completely.
+    a generation that has already verified completely, or (``blake3-chunked``,
+    where each chunk verifies before its bytes are copied) with ``progress``
+    to learn whether live tensors changed before a failure.
     """
     generation = manifest.generation
     state = _read_verified_state(store, manifest)
@@ -256,7 +263,8 @@ def decode_verified(store: Store, manifest: Manifest, component: str | None = No
         tensors: dict[str, torch.Tensor] = {}
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-verify") as pool:
             for name in tensor_files(manifest):
-                _read_tensor_file(store, manifest, name, wanted, tensors, pool, preview=preview, into=into)
+                _read_tensor_file(store, manifest, name, wanted, tensors, pool, preview=preview, into=into,
+                                  progress=progress)
         if component is not None:
             return {"type": state["type"], "state": decode(state["state"], component, tensors)}
         payload = decode_state(state, tensors)
@@ -266,6 +274,23 @@ def decode_verified(store: Store, manifest: Manifest, component: str | None = No
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
         raise CorruptGeneration(generation, f"unreadable ({exc.strerror})") from None
+
+
+def preview_headers(store: Store, manifest: Manifest) -> dict[str, Any]:
+    """A ``blake3-chunked`` generation's payload for every check before a live object changes, reading only
+    ``state.json``, each tensor file's header and the RNG tensors (all verified); meta tensors for the rest."""
+    state = _read_verified_state(store, manifest)
+    where_state = f"{manifest.generation}/{STATE}"
+    try:
+        tensors, _ = chunked.header_preview(store, manifest, tensor_files(manifest),
+                                            set(referenced_tensors(state.get("rng", {}))))
+        payload = decode_state(state, tensors)
+        check_decoded(payload, where_state)
+        return payload
+    except RecursionError:
+        raise CorruptGeneration(where_state, "nested too deeply") from None
+    except OSError as exc:
+        raise CorruptGeneration(manifest.generation, f"unreadable ({exc.strerror})") from None
 
 
 def decode_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -348,17 +373,19 @@ class _Everything(set):
 _ALL = _Everything()
 
 
-def _fits(dest: torch.Tensor | None, entry: tensorfile.Entry) -> bool:
-    return (dest is not None and dest.device.type == "cpu" and dest.dtype == entry.dtype
-            and tuple(dest.shape) == tuple(entry.shape) and dest.is_contiguous()
-            and not dest.is_conj() and not dest.is_neg())  # their memory is not their values
+_fits = chunked.fits
 
 
 def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[str],
                       tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor, *,
-                      preview: bool = False, into: dict[str, torch.Tensor] | None = None) -> None:
+                      preview: bool = False, into: dict[str, torch.Tensor] | None = None,
+                      progress: chunked.Progress | None = None) -> None:
     """Read and digest one tensor file; with ``preview``, large tensors become meta placeholders
     (checked for shape and dtype only); with ``into``, matching tensors are read straight into those."""
+    if manifest.digest_algorithm == CHUNKED:  # every chunk verified on its own, on every core
+        chunked.read_file(store, manifest, name, wanted, tensors, preview=preview, preview_bytes=PREVIEW_BYTES,
+                          into=into, progress=progress)
+        return
     record = manifest.file(name)
     where = f"{manifest.generation}/{name}"
     with store.open(manifest.generation, name) as stream:

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InvalidArgument
 from ..format import signing, tensorfile
-from ..format.manifest import Manifest, generation_name
+from ..format.manifest import Manifest, generation_name, parse_generation_name
 from ..storage.base import Store
 from ..storage.locate import open_existing, split_generation
 from ..storage.verify import read_layouts, read_state_json, verify_generation
@@ -43,12 +43,16 @@ def resolve(target: str | Path) -> tuple[Store, str]:
 
     text = str(target)
     run, generation = split_generation(text)
+    at_update = None
     if generation is None and "@" in text:
         head, _, update = text.rpartition("@")
         if not update.isdigit():
             raise InvalidArgument(f"{text}: after '@' comes an update number, e.g. runs/x@12")
-        run, generation = head, generation_name(int(update))
+        run, generation, at_update = head, generation_name(int(update)), int(update)
     store = open_existing(run)
+    if at_update is not None:  # its newest revision (gen-U-r001...): the state the run continued from
+        generation = next((n for n in store.generations() if parse_generation_name(n) == (at_update, "full")),
+                          generation)
     if generation is None:
         generation = recovery_point(store, signing.resolve(None, store.location))
         if generation is None:

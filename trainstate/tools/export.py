@@ -2,59 +2,57 @@
 
 The order of one export:
 
-1. Resolve the source: a generation directory, or a run directory's recovery
-   point (:func:`trainstate.restore.recovery_point`).
-2. Read it through the trusted path: the manifest is verified (signature
-   included, when a key is configured), ``state.json`` and every tensor file
-   are digested against it, and only the named component is decoded. Nothing
-   else of the generation (optimizer, RNG, data position, clocks) is written.
-3. Plan the files (pure): tensors sharing storage are stored once under the
-   name ``safetensors.torch.save_model`` would keep, the others recorded in
-   the file's metadata, so ``safetensors.torch.load_model`` re-ties them;
+1. Open the source through :mod:`.exportread`: a generation directory, or a
+   run directory's recovery point, local or an object-store URL, from one
+   process or from many ranks. It is verified completely (signature
+   included, when a key is configured) in one streaming pass, and the
+   component's tensors are planned from headers alone: their names, dtypes,
+   shapes, the pieces each is stored in, and which names are one tied tensor.
+   Nothing else of the generation (optimizer, RNG, data position, clocks) is
+   written.
+2. Plan the files (pure): a tied tensor is stored once under the name
+   ``safetensors.torch.save_model`` would keep, the others recorded in the
+   file's metadata, so ``safetensors.torch.load_model`` re-ties them;
    floating-point tensors are cast to ``dtype``; above ``max_shard_size`` the
    tensors are split into ``model-0000i-of-0000N.safetensors`` with a
-   ``model.safetensors.index.json`` (the Hugging Face layout).
-4. Publish: write every file and the model card into a staging directory
-   beside ``out``, fsync each file and the directory, rename it to ``out``,
-   fsync the parent. A non-empty ``out`` is never overwritten.
+   ``model.safetensors.index.json`` (the Hugging Face layout). Each file's
+   header is computed before any tensor is read.
+3. Publish (:mod:`.bundle`): each weight file is written one tensor at a time
+   (assembled from its pieces, cast, written, dropped), so memory holds about
+   one tensor, never the model; then ``config.json`` (a Hugging Face config),
+   the included files, the model card, and last the release manifest, all
+   into a staging directory that is fsynced and renamed to ``out``. A
+   non-empty ``out`` is never overwritten.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import logging
+import math
 import os
 import re
-import secrets
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 
-from ..errors import CorruptGeneration, GenerationExists, InvalidArgument, NoValidGeneration, StateMismatch
-from ..format import signing
-from ..format.manifest import MANIFEST, STATE, parse_generation_name
+from ..errors import CorruptGeneration, InvalidArgument
+from ..format import signing, tensorfile
+from ..format.manifest import MANIFEST
 from ..format.signing import SigningKey
-from ..restore import recovery_point
-from ..storage.local import LocalStore
-from ..storage.posix import PosixOps, _write_all
-from ..storage.verify import Verified, check_state_schema, decode_verified, read_json_file, verify_generation
-from . import modelcard
-
-log = logging.getLogger("trainstate")
+from ..storage.posix import PosixOps
+from . import bundle, modelcard
+from .exportread import Source, Spec, open_source
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CARD_FILE = "README.md"
+CONFIG_FILE = "config.json"
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
-Content = bytes | Callable[[], bytes]  # a file's bytes, or how to make them when it is written
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -67,7 +65,10 @@ class ExportInfo:
     the bytes of tensor data stored (the index's ``total_size``); ``shards``:
     how many weight files; ``tied``: each stored name and the names re-tied to
     it on load; ``dtype``: the cast applied to floating-point tensors (``None``:
-    as trained).
+    as trained); ``world_size``: the ranks that wrote the source generation;
+    ``config``: whether a Hugging Face ``config.json`` was written;
+    ``included``: the files ``include`` added; ``signed``: whether the release
+    manifest is signed.
     """
 
     directory: str
@@ -77,6 +78,10 @@ class ExportInfo:
     shards: int
     tied: Mapping[str, tuple[str, ...]]
     dtype: str | None
+    world_size: int = 1
+    config: bool = False
+    included: tuple[str, ...] = ()
+    signed: bool = False
 
 
 def parse_size(value: int | str) -> int:
@@ -105,38 +110,9 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 # --- planning (pure) -----------------------------------------------------------------------------------------
 
-def dedupe(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
-    """Tensors sharing storage, stored once: the kept name is the one ``safetensors.torch.save_model`` keeps
-    (the first in sorted order among those covering the whole storage), so ``load_model`` re-ties the rest."""
-    groups: dict[Any, list[str]] = defaultdict(list)
-    for name, tensor in tensors.items():
-        storage = tensor.untyped_storage()
-        shared = tensor.device.type != "meta" and storage.nbytes() > 0
-        groups[(tensor.device, storage.data_ptr()) if shared else ("own", name)].append(name)
-    kept, tied = {}, {}
-    for names in groups.values():
-        if len(names) == 1:
-            kept[names[0]] = tensors[names[0]]
-            continue
-        complete = sorted(n for n in names if _covers_storage(tensors[n]))
-        if not complete:
-            raise InvalidArgument(f"tensors {sorted(names)} share storage and none covers all of it; safetensors "
-                                  "cannot store them once. Export from a model whose shared tensors are whole "
-                                  "tensors (tied weights), or clone the views before saving")
-        tied[complete[0]] = tuple(sorted(n for n in names if n != complete[0]))
-        kept[complete[0]] = tensors[complete[0]]
-    return {name: kept[name] for name in tensors if name in kept}, tied
-
-
-def _covers_storage(tensor: torch.Tensor) -> bool:
-    storage = tensor.untyped_storage()
-    return tensor.data_ptr() == storage.data_ptr() and tensor.nelement() * tensor.element_size() == storage.nbytes()
-
-
-def cast(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Floating-point tensors in ``dtype``; integer, bool and complex tensors keep theirs. All contiguous."""
-    return {name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
-            for name, t in tensors.items()}
+def output_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """Floating-point tensors in ``target``; integer, bool and complex tensors keep theirs."""
+    return target if target is not None and dtype.is_floating_point else dtype
 
 
 def plan_shards(sizes: Mapping[str, int], max_bytes: int | None) -> list[list[str]]:
@@ -160,163 +136,181 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def build_files(tensors: Mapping[str, torch.Tensor], tied: Mapping[str, tuple[str, ...]],
-                max_bytes: int | None, provenance: Mapping[str, str] | None = None
-                ) -> tuple[dict[str, Content], list[str], int]:
-    """The weight files by name (the index included when sharded), their order, the tensor bytes.
+def shard_header(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
+                 ) -> tuple[bytes, list[str]]:
+    """A safetensors header for ``tensors`` (name to dtype and shape) and the order their data follows it.
 
-    A shard's bytes are produced only when :func:`publish` writes it, so one
-    shard at a time is held serialised beside the tensors."""
-    sizes = {name: t.nelement() * t.element_size() for name, t in tensors.items()}
+    The order is the ``safetensors`` library's (larger elements first, then by
+    name), so every tensor starts aligned to its element size."""
+    order = sorted(tensors, key=lambda n: (-tensors[n][0].itemsize, n))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        dtype, shape = tensors[name]
+        st_name = tensorfile._ST_NAMES.get(dtype)
+        if st_name is None:
+            raise InvalidArgument(f"tensor {name!r} is {dtype}, which safetensors has no type for; export it with "
+                                  "dtype='bf16', 'fp16' or 'fp32' (--dtype) if it is floating point")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": st_name, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body, order
+
+
+def plan_files(specs: Mapping[str, Spec], tied: Mapping[str, tuple[str, ...]], target: torch.dtype | None,
+               max_bytes: int | None, provenance: Mapping[str, str]
+               ) -> tuple[list[tuple[str, bytes, list[str]]], bytes | None, int]:
+    """Each weight file's name, header and tensor order; the index (``None`` for one file); the tensor bytes."""
+    shapes = {n: (output_dtype(s.dtype, target), s.shape) for n, s in specs.items()}
+    sizes = {n: math.prod(shape) * dtype.itemsize for n, (dtype, shape) in shapes.items()}
     groups = plan_shards(sizes, max_bytes)
     names = shard_names(len(groups))
-    files: dict[str, bytes] = {}
-    weight_map = {}
+    files, weight_map = [], {}
     for file, group in zip(names, groups):
         metadata = {"format": "pt"}
         for kept in group:
             metadata.update({other: kept for other in tied.get(kept, ())})  # as save_model records them
-        metadata.update({k: v for k, v in (provenance or {}).items() if k not in tensors and k not in metadata})
-        files[file] = partial(safetensors_bytes, {n: tensors[n] for n in group}, metadata=metadata)
+        metadata.update({k: v for k, v in provenance.items() if k not in specs and k not in metadata})
+        header, order = shard_header({n: shapes[n] for n in group}, metadata)
+        files.append((file, header, order))
         weight_map.update({n: file for n in group})
     total = sum(sizes.values())
+    index = None
     if len(names) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        files[INDEX_FILE] = (json.dumps(index, indent=2) + "\n").encode()
-    return files, names, total
+        index = (json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                            indent=2) + "\n").encode()
+    return files, index, total
 
 
-# --- reading ---------------------------------------------------------------------------------------------------
-
-def _locate(source: str | Path, key_arg: SigningKey | bytes | str | None
-            ) -> tuple[LocalStore, str, SigningKey | None]:
-    path = Path(source)
-    if parse_generation_name(path.name) and (path / MANIFEST).exists():
-        store = LocalStore(path.parent, create=False)
-        return store, path.name, signing.resolve(key_arg, store.location)
-    store = LocalStore(path, create=False)
-    key = signing.resolve(key_arg, store.location)
-    name = recovery_point(store, key)
-    if name is None:
-        raise NoValidGeneration(str(path), [])
-    return store, name, key
+def _streamed(source: Source, header: bytes, order: list[str], target: torch.dtype | None
+              ) -> Callable[[], Iterator[bytes | memoryview]]:
+    """One weight file's bytes: its header, then each tensor's, read (and cast) a bounded chunk at a time."""
+    def chunks() -> Iterator[bytes | memoryview]:
+        yield header
+        for name in order:
+            spec = source.specs[name]
+            yield from source.stream(spec, output_dtype(spec.dtype, target))
+    return chunks
 
 
-def _read(store: LocalStore, name: str, component: str, key: SigningKey | None
-          ) -> tuple[Verified, dict[str, Any], dict[str, torch.Tensor]]:
-    """The verified manifest, ``state.json`` (digest checked) and the component's decoded tensors."""
-    verified = verify_generation(store, name, content=False, key=key)
-    manifest = verified.manifest
-    if manifest.ranks:
-        raise StateMismatch(f"{name} was written by several ranks and its weights are sharded across them; "
-                            "export reads single-process generations only: restore it under torchrun, gather "
-                            "the full state dict into an unsharded model, save that with a single-process "
-                            "CheckpointManager and export its generation")
-    state = read_json_file(store, manifest, STATE)
-    check_state_schema(state, f"{name}/{STATE}", manifest.kind, manifest.next_update)
-    if component not in state["components"]:
-        raise InvalidArgument(f"{name} has no component {component!r}; it has "
-                              f"{', '.join(sorted(state['components'])) or 'none'}: pass component=... (--component)")
-    decoded = decode_verified(store, manifest, component)
-    saved = decoded["state"]
-    if not isinstance(saved, Mapping):
-        raise StateMismatch(f"component {component!r} in {name} is not a module's state dict")
-    others = sorted(k for k, v in saved.items() if not isinstance(v, torch.Tensor))
-    if others:
-        raise StateMismatch(f"component {component!r} in {name} holds entries that are not tensors "
-                            f"({', '.join(map(str, others[:10]))}); safetensors stores tensors only. Export a "
-                            "module's parameters and buffers")
-    return verified, state, dict(saved)
+# --- Hugging Face config ---------------------------------------------------------------------------------------
 
-
-# --- publishing -----------------------------------------------------------------------------------------------
-
-def _check_out(out: Path) -> None:
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise GenerationExists(f"{out} exists and is not a directory; nothing was written. Choose a new path "
-                               "for the export")
-    if out.is_dir() and any(out.iterdir()):
-        raise GenerationExists(f"{out} is not empty and an export never overwrites; nothing was written. Choose "
-                               "a new path, or remove the old export first")
-    if not out.parent.is_dir():
-        raise InvalidArgument(f"the parent of {out} does not exist; create it first")
-
-
-def publish(out: Path, files: Mapping[str, Content], ops: PosixOps | None = None) -> None:
-    """Write ``files`` into a staging directory beside ``out``, fsync them and it, rename it to ``out``,
-    fsync the parent. ``out`` must be absent or an empty directory; a crash leaves at most a
-    ``.NAME.trainstate-staging-*`` directory beside it, never a partial ``out``."""
-    ops = ops or PosixOps()
-    _check_out(out)
-    staging = out.parent / f".{out.name}.trainstate-staging-{secrets.token_hex(4)}"
-    ops.mkdir(staging)
-    try:
-        for name, content in files.items():
-            data = content() if callable(content) else content
-            fd = ops.create(staging / name)
-            try:
-                _write_all(ops, fd, memoryview(data))
-                ops.fsync(fd)
-            finally:
-                ops.close(fd)
-            del data
-        ops.fsync_dir(staging)
+def hf_config(state: Mapping[str, Any], given: Any = None) -> dict[str, Any] | None:
+    """The Hugging Face config to write as ``config.json``: ``given`` (a dict, a ``PretrainedConfig``, or a
+    path to a ``config.json`` or a directory holding one), else the contract's ``config`` field when it is one
+    (a dict with a ``model_type``), else ``None``."""
+    if given is None:
+        value = state["contract"]["fields"].get("config")
+        return dict(value) if type(value) is dict and type(value.get("model_type")) is str else None
+    if callable(getattr(given, "to_dict", None)):
+        given = given.to_dict()
+    elif isinstance(given, (str, Path)):
+        path = Path(given) / CONFIG_FILE if Path(given).is_dir() else Path(given)
         try:
-            ops.rename(staging, out)
-        except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-                raise GenerationExists(f"{out} appeared while exporting and is not empty; nothing was "
-                                       "published. Choose a new path") from None
-            raise
-    except BaseException:
-        try:
-            ops.rmtree(staging)
-        except OSError as cleanup:  # the original error matters more; the leftover is named
-            log.warning("export: could not remove the staging directory %s: %s", staging, cleanup)
-        raise
-    ops.fsync_dir(out.parent)
+            given = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"hf_config={str(given)!r}: cannot read a JSON config from {path} ({exc})") from None
+    if type(given) is not dict or type(given.get("model_type")) is not str:
+        raise InvalidArgument("hf_config must be a Hugging Face model config: a dict, PretrainedConfig or "
+                              "config.json with a 'model_type' (e.g. model.config, or 'path/to/config.json')")
+    return given
 
+
+def _config_bytes(config: Mapping[str, Any], target: torch.dtype | None) -> bytes:
+    config = dict(config)
+    if target is not None:  # what the weights now are, where the config says
+        for key in ("dtype", "torch_dtype"):
+            if key in config:
+                config[key] = str(target).removeprefix("torch.")
+    return (json.dumps(config, indent=2, sort_keys=True, default=str) + "\n").encode()
+
+
+# --- export ---------------------------------------------------------------------------------------------------
 
 def export(generation_or_run: str | Path, out: str | Path, *, component: str = "model",
            dtype: str | torch.dtype | None = None, max_shard_size: int | str | None = None,
-           signing_key: SigningKey | bytes | str | None = None, ops: PosixOps | None = None) -> ExportInfo:
+           include: Iterable[str | Path] = (), hf_config: Any = None,
+           signing_key: SigningKey | bytes | str | None = None, storage_options: dict[str, Any] | None = None,
+           ops: PosixOps | None = None) -> ExportInfo:
     """Write ``component``'s parameters and buffers as safetensors into the new directory ``out``.
 
     ``generation_or_run``: a generation directory, or a run directory (its
-    recovery point is exported). ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``)
-    casts floating-point tensors only. ``max_shard_size`` (``"5GB"``, bytes)
-    splits larger exports into Hugging Face shards with an index. ``out`` also
-    gets a ``README.md`` model card of what the run recorded. Raises
-    :class:`GenerationExists` for a non-empty ``out``.
+    recovery point is exported), local or an object-store URL, saved by one
+    process or by many ranks (read tensor by tensor: no process holds the
+    model, no process group is needed; from a URL the objects are read in
+    ranges, never copied to local disk first: ``storage_options`` as for
+    :class:`CheckpointManager`). ``dtype`` (``"bf16"``, ``"fp16"``,
+    ``"fp32"``) casts floating-point tensors only. ``max_shard_size``
+    (``"5GB"``, bytes) splits larger exports into Hugging Face shards with an
+    index. ``include``: files or directories copied into the bundle
+    (tokenizer, ``generation_config.json``, a license). ``hf_config``: a
+    Hugging Face config written as ``config.json`` (by default the contract's
+    ``config`` field, when it is one). ``out`` also gets a ``README.md``
+    model card of what the run recorded and a ``release-manifest.json``
+    listing every file's size and SHA-256, signed when a key is configured
+    (``trainstate verify OUT`` checks it). Raises :class:`GenerationExists`
+    for a non-empty ``out``.
 
-    >>> info = ts.export("runs/exp1", "release/v1", dtype="bf16", max_shard_size="5GB")
+    >>> info = ts.export("runs/exp1", "release/v1", dtype="bf16", max_shard_size="5GB", include=["tokenizer/"])
     >>> safetensors.torch.load_model(model, "release/v1/model.safetensors")  # ties restored
     """
     out = Path(os.path.abspath(out))  # "." and "a/.." name their directory; symlinks are not followed
     target = _dtype(dtype)
     max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
-    _check_out(out)  # before the read: a mistake costs nothing
-    store, name, key = _locate(generation_or_run, signing_key)
-    verified, state, saved = _read(store, name, component, key)
-    manifest = verified.manifest
-    kept, tied = dedupe(saved)
-    tensors = cast(kept, target)
+    bundle.check_out(out)  # before the read: a mistake costs nothing
+    source = open_source(generation_or_run, component, signing_key, storage_options)
+    try:
+        key = signing.resolve(signing_key)
+        return _export(source, out, target, max_bytes, include, hf_config, key, ops)
+    finally:
+        source.close()
+
+
+def _export(source: Source, out: Path, target: torch.dtype | None, max_bytes: int | None,
+            include: Iterable[str | Path], given_config: Any, key: SigningKey | None,
+            ops: PosixOps | None) -> ExportInfo:
+    manifest, state = source.manifest, source.state
+    name = manifest.generation
+    digest = f"{manifest.digest_algorithm}:{source.manifest_digest}"
     provenance = {"trainstate.generation": name, "trainstate.next_update": str(manifest.next_update),
-                  "trainstate.created": manifest.created,
-                  "trainstate.manifest_digest": f"{manifest.digest_algorithm}:{verified.manifest_digest}"}
-    files, weight_files, total = build_files(tensors, tied, max_bytes, provenance)
+                  "trainstate.created": manifest.created, "trainstate.manifest_digest": digest}
+    weights, index, total = plan_files(source.specs, source.tied, target, max_bytes, provenance)
+    files: dict[str, bundle.Content] = {file: _streamed(source, header, order, target)
+                                        for file, header, order in weights}
+    if index is not None:
+        files[INDEX_FILE] = index
+    config = hf_config(state, given_config)
+    if config is not None:
+        files[CONFIG_FILE] = _config_bytes(config, target)
+    included = bundle.includes(include, [*files, CARD_FILE, MANIFEST, bundle.RELEASE_MANIFEST])
+    digests = {rel: bundle.file_digest(path) for rel, path in included.items()}
+    files.update({rel: bundle.copier(path) for rel, path in included.items()})
     dtype_name = str(target).removeprefix("torch.") if target is not None else None
+    weight_files = tuple(file for file, _, _ in weights)
     facts = modelcard.CardFacts(
-        generation=name, location=f"{store.location}/{name}", manifest_digest=verified.manifest_digest,
+        generation=name, location=f"{source.location}/{name}", manifest_digest=source.manifest_digest,
         digest_algorithm=manifest.digest_algorithm, created=manifest.created, next_update=manifest.next_update,
         tokens_seen=state["clocks"]["tokens_seen"], contract_fingerprint=manifest.contract_fingerprint,
         versions=manifest.versions, metrics=manifest.metrics,
-        data_manifest=state["contract"]["fields"].get("data_manifest"), component=component, dtype=dtype_name,
-        files=tuple(weight_files), total_bytes=total, tied=tied)
+        data_manifest=state["contract"]["fields"].get("data_manifest"), component=source.component,
+        dtype=dtype_name, files=weight_files, total_bytes=total, tied=source.tied,
+        world_size=manifest.world_size,
+        included=tuple((rel, *digests[rel]) for rel in included), hf_config=config is not None)
     files[CARD_FILE] = modelcard.render(facts).encode()
-    publish(out, files, ops)
-    return ExportInfo(str(out), name, tuple(weight_files), total, len(weight_files), tied, dtype_name)
+    about = {"generation": name, "manifest_digest": digest, "component": source.component, "dtype": dtype_name}
 
+    def manifest_last(written: list[bundle.FileDigest]) -> bytes:
+        changed = [f.name for f in written if f.name in digests and (f.size, f.digest) != digests[f.name]]
+        if changed:
+            raise CorruptGeneration(str(included[changed[0]]), "changed while it was being copied into the "
+                                                               "bundle; nothing was published. Export again")
+        return bundle.manifest_bytes(written, about, key)
+
+    bundle.publish(out, files, ops, last=manifest_last)
+    return ExportInfo(str(out), name, weight_files, total, len(weight_files), dict(source.tied), dtype_name,
+                      manifest.world_size, config is not None, tuple(included), key is not None)
 
 
 # --- reading an export back (warm start) ----------------------------------------------------------------------

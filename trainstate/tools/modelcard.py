@@ -4,7 +4,10 @@ Pure text from plain records: :func:`render` takes what the export read from a
 verified generation and returns Markdown. Every field the run did not record
 is written as ``not recorded`` rather than guessed, and the fields a release
 needs that a training run cannot know (license, intended use, limitations,
-evaluation protocol) are listed as such for the publisher to fill in.
+evaluation protocol) are listed as such for the publisher to fill in. The
+training compute is what the run measured (updates, tokens seen, world size);
+device kind and wall time are not recorded by trainstate, and say so. Files
+included in the bundle are listed with their SHA-256.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class CardFacts:
     files: tuple[str, ...] = ()
     total_bytes: int = 0
     tied: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    world_size: int = 1  # the ranks that wrote the generation
+    included: tuple[tuple[str, int, str], ...] = ()  # files added to the bundle: name, size, SHA-256
+    hf_config: bool = False  # a Hugging Face config.json was written beside the weights
 
 
 def _value(value: Any) -> str:
@@ -88,6 +94,22 @@ def render(facts: CardFacts) -> str:
         ties = "; ".join(f"`{kept}` also as {', '.join(f'`{n}`' for n in names)}"
                          for kept, names in sorted(facts.tied.items()))
         lines.append(f"- Stored once and re-tied on load (`safetensors.torch.load_model`): {ties}")
-    lines += ["", "## Needed for a release, not known to the training run", ""]
+    if facts.hf_config:
+        lines.append("- `config.json`: the Hugging Face model config, so `AutoModel*.from_pretrained` loads the "
+                     "directory")
+    lines += ["", "## Training compute (as the run recorded it)", "",
+              f"- Updates: {facts.next_update}",
+              f"- Tokens seen: {facts.tokens_seen}",
+              f"- World size: {facts.world_size}",
+              f"- Device kind: {NOT_RECORDED}",
+              f"- Wall time summed over updates: {NOT_RECORDED}"]
+    lines += ["", "## Included files", ""]
+    if facts.included:
+        lines += [f"- `{name}`: {size} bytes, sha256 `{digest}`" for name, size, digest in facts.included]
+    else:
+        lines.append("- none")
+    lines += ["", "Every file of this directory, this card included, is listed with its size and SHA-256 in "
+              "`release-manifest.json`; `trainstate verify DIR` checks them.",
+              "", "## Needed for a release, not known to the training run", ""]
     lines += [f"- {name}: {NOT_RECORDED}" for name in RELEASE_FIELDS]
     return "\n".join(lines) + "\n"

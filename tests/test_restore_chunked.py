@@ -1,0 +1,194 @@
+"""Format 3 (``blake3-chunked``): restore reads each byte once, and nothing unverified reaches a live tensor.
+
+A chunk that fails late is the hard case of a one-pass restore: verified
+chunks before it are already in live tensors. Restore then falls back to the
+previous generation, which loads completely over them; with no fallback the
+state is marked unusable and every save refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import trainstate as ts
+from trainstate.format.digest import CHUNK_BYTES, ChunkedHasher, chunked_top, digest_bytes
+from trainstate.format.manifest import parse_manifest
+from trainstate.storage import chunked
+from trainstate.storage.local import LocalStore
+
+TENSORS = "tensors.safetensors"
+
+
+def _state(seed: int) -> ts.TrainState:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1536), torch.nn.Linear(1536, 1024))  # ~12.6 MB: 4 chunks
+    return ts.TrainState(model=model, capture_global_rngs=False)
+
+
+def _params(state: ts.TrainState) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state["model"].state_dict().items()}
+
+
+def _save(run, seeds=(1, 2)) -> list[dict[str, torch.Tensor]]:
+    saved = []
+    state = _state(seeds[0])
+    with ts.CheckpointManager(run, keep_last=5) as ckpt:
+        for update, seed in enumerate(seeds, 1):
+            with torch.no_grad():
+                for name, value in _state(seed)["model"].state_dict().items():
+                    state["model"].state_dict()[name].copy_(value)
+            state.next_update = update
+            ckpt.save(state)
+            saved.append(_params(state))
+    return saved
+
+
+def _flip(run, generation: str, offset_from_end: int) -> int:
+    path = run / generation / TENSORS
+    data = bytearray(path.read_bytes())
+    at = len(data) - offset_from_end
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    return at
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_manifest_lists_verifiable_chunks(tmp_path):
+    _save(tmp_path, seeds=(1,))
+    gen = tmp_path / "gen-000000000001"
+    manifest = parse_manifest((gen / "manifest.json").read_bytes(), "m")
+    record = manifest.file(TENSORS)
+    assert manifest.digest_algorithm == "blake3-chunked" and manifest.format_version == 3
+    data = (gen / TENSORS).read_bytes()
+    assert len(record.chunks) == -(-len(data) // CHUNK_BYTES) >= 4
+    hasher = ChunkedHasher()
+    for i in range(0, len(data), 1_000_003):  # updates that straddle chunk boundaries
+        hasher.update(data[i : i + 1_000_003])
+    assert hasher.hexdigest() == record.digest and tuple(hasher.chunks) == record.chunks
+    assert chunked_top(record.size, record.chunks) == record.digest
+
+
+def test_late_bad_chunk_falls_back_and_the_fallback_overwrites_everything(tmp_path):
+    saved = _save(tmp_path)
+    _flip(tmp_path, "gen-000000000002", 100)  # in the last chunk: three verified chunks load first
+    live = _state(99)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        info = ckpt.restore(live)
+        assert info.generation.name == "gen-000000000001"
+        assert info.rejected[0].generation == "gen-000000000002" and "chunk" in info.rejected[0].reason
+        assert _equal(_params(live), saved[0])  # bitwise the fallback, not a mix
+        assert ts.unusable_reason(live) is None
+        live.next_update = 3
+        ckpt.save(live)  # usable: the fallback loaded completely
+
+
+def test_late_bad_chunk_without_fallback_marks_the_state_unusable(tmp_path):
+    saved = _save(tmp_path, seeds=(1,))
+    at = _flip(tmp_path, "gen-000000000001", 100)
+    live = _state(99)
+    before = _params(live)
+    with ts.CheckpointManager(tmp_path) as ckpt:
+        with pytest.raises(ts.NoValidGeneration, match="UNUSABLE") as caught:
+            ckpt.restore(live)
+        assert "chunk" in str(caught.value)
+        reason = ts.unusable_reason(live)
+        assert reason and "gen-000000000001" in reason
+        with pytest.raises(ts.StateUnusable, match="unusable"):
+            ckpt.save(live)
+        assert not list(tmp_path.glob("gen-000000000000*"))  # nothing was published
+    # Verified chunks reached the live tensors; the damaged chunk did not: its bytes are the live ones from before.
+    flat_live = torch.cat([v.reshape(-1).view(torch.uint8) for v in live["model"].state_dict().values()])
+    flat_saved = torch.cat([v.reshape(-1).view(torch.uint8) for v in saved[0].values()])
+    flat_before = torch.cat([v.reshape(-1).view(torch.uint8) for v in before.values()])
+    data_start = (tmp_path / "gen-000000000001" / TENSORS).stat().st_size - flat_saved.numel()
+    bad = (at // CHUNK_BYTES) * CHUNK_BYTES - data_start  # where the damaged chunk starts in the tensor data
+    assert torch.equal(flat_live[:bad], flat_saved[:bad])
+    assert torch.equal(flat_live[bad:], flat_before[bad:])
+    assert not torch.equal(flat_live, flat_before)  # the control: live bytes did change
+
+
+def test_unusable_is_cleared_by_a_restore_that_loads_completely(tmp_path):
+    _save(tmp_path / "bad", seeds=(1,))
+    saved = _save(tmp_path / "good", seeds=(5,))
+    _flip(tmp_path / "bad", "gen-000000000001", 100)
+    live = _state(99)
+    with ts.CheckpointManager(tmp_path / "bad") as ckpt, pytest.raises(ts.NoValidGeneration):
+        ckpt.restore(live)
+    assert ts.unusable_reason(live)
+    with ts.CheckpointManager(tmp_path / "good") as ckpt:
+        ckpt.restore(live)
+        assert ts.unusable_reason(live) is None and _equal(_params(live), saved[0])
+        live.next_update = 2
+        ckpt.save(live)
+
+
+def test_bad_first_chunk_changes_nothing_live(tmp_path):
+    """The control for the two above: a failure before any chunk was copied leaves the state usable."""
+    _save(tmp_path, seeds=(1,))
+    size = (tmp_path / "gen-000000000001" / TENSORS).stat().st_size
+    _flip(tmp_path, "gen-000000000001", size - 200)  # inside the header's chunk: refused during the choice
+    live = _state(99)
+    before = _params(live)
+    with ts.CheckpointManager(tmp_path) as ckpt, pytest.raises(ts.NoValidGeneration, match="nothing was loaded"):
+        ckpt.restore(live)
+    assert ts.unusable_reason(live) is None and _equal(_params(live), before)
+
+
+def test_a_tampered_chunk_list_is_refused(tmp_path):
+    _save(tmp_path, seeds=(1,))
+    gen = tmp_path / "gen-000000000001"
+    raw = json.loads((gen / "manifest.json").read_bytes())
+    record = next(f for f in raw["files"] if f["name"] == TENSORS)
+
+    def sealed() -> bytes:  # an attacker who edits the manifest and recomputes its self-digest
+        body = {k: v for k, v in raw.items() if k not in ("self_digest", "signature")}
+        raw["self_digest"] = digest_bytes("blake3-chunked", json.dumps(body, indent=1, sort_keys=True).encode())
+        return json.dumps(raw).encode()
+
+    parse_manifest(sealed(), "m")  # the control: resealing alone is accepted
+    record["chunks"][1] = "00" * 32  # one chunk digest replaced (to pass off a changed chunk)
+    with pytest.raises(ts.CorruptGeneration, match="do not combine"):
+        parse_manifest(sealed(), "m")
+    record["chunks"] = record["chunks"][:-1]
+    with pytest.raises(ts.CorruptGeneration, match="malformed chunk digests"):
+        parse_manifest(sealed(), "m")
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_chunk_reader_matches_a_plain_read(tmp_path, workers):
+    _save(tmp_path, seeds=(3,))
+    store = LocalStore(tmp_path, create=False)
+    manifest = parse_manifest((tmp_path / "gen-000000000001" / "manifest.json").read_bytes(), "m")
+    out: dict[str, torch.Tensor] = {}
+    progress = chunked.Progress()
+    chunked.read_file(store, manifest, TENSORS, {"model.0.weight", "model.1.bias"},
+                      out, progress=progress, workers=workers)
+    state = _state(3)
+    assert torch.equal(out["model.0.weight"], state["model"][0].weight.detach())
+    assert torch.equal(out["model.1.bias"], state["model"][1].bias.detach())
+    assert progress.chunks == len(manifest.file(TENSORS).chunks) and not progress.live_changed
+
+
+def test_copying_an_older_format_generation_checks_it_with_its_own_digest(tmp_path):
+    """A run upgraded to format 3 still mirrors its format-2 generations (the copy digests as they were)."""
+    from trainstate.lifecycle.mirror import copy_generation
+
+    state = _state(1)
+    state.next_update = 1
+    with ts.CheckpointManager(tmp_path / "old", digest="blake3") as ckpt:
+        ckpt.save(state)
+    dst = LocalStore(tmp_path / "copy")  # the store's own default is blake3-chunked
+    assert dst.digest_algorithm == "blake3-chunked"
+    verified = copy_generation(LocalStore(tmp_path / "old", create=False), dst, "gen-000000000001", None)
+    assert verified.manifest.digest_algorithm == "blake3" and verified.manifest.format_version == 3
+    live = _state(7)
+    with ts.CheckpointManager(tmp_path / "copy") as ckpt:
+        # no pointer in the copy: restore finds the generation by name
+        assert ckpt.restore(live, generation="gen-000000000001").generation.name == "gen-000000000001"
+    assert _equal(_params(live), _params(state))
