@@ -160,7 +160,7 @@ def test_auto_mode_switches_on_size(tmp_path, monkeypatch):
 
 
 PEAK = textwrap.dedent("""
-    import resource, sys, torch, trainstate as ts
+    import sys, torch, trainstate as ts
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])  # ~100 MB of parameters
     opt = torch.optim.AdamW(model.parameters())
@@ -170,17 +170,24 @@ PEAK = textwrap.dedent("""
         with ts.CheckpointManager(sys.argv[1]) as ckpt:
             state.next_update = 1; ckpt.save(state)
         sys.exit(0)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    import gc; gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current RSS: the peak of the restore alone
+    base = kib("VmRSS")
     with ts.CheckpointManager(sys.argv[1]) as ckpt:
         info = ckpt.restore(state, in_place=sys.argv[2] == "in-place")
     assert info is not None and info.generation.name == "gen-000000000001", info
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+    print((kib("VmHWM") - base) * 1024)
 """)
 
 
 def test_in_place_peak_memory_is_bounded(tmp_path):
     """About 300 MB of state (100 MB parameters + AdamW moments): in place adds a small fraction of it;
-    the copying restore adds about a full copy."""
+    the copying restore adds about a full copy. The peak is the kernel's high-water mark, reset just before
+    the restore (the training step before it peaks higher than either restore, which hid the control)."""
     run = tmp_path / "run"
 
     def go(mode):
@@ -193,4 +200,4 @@ def test_in_place_peak_memory_is_bounded(tmp_path):
     state_bytes = 3 * 24 * (1024 * 1024 + 1024) * 4
     in_place, copying = go("in-place"), go("copy")
     assert in_place < 0.10 * state_bytes, (in_place, copying)
-    assert copying > 0.3 * state_bytes, (in_place, copying)  # the control (typically 0.6; it varies with load)
+    assert copying > 0.5 * state_bytes, (in_place, copying)  # the control: a second copy of the state, briefly
