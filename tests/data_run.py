@@ -26,7 +26,6 @@ import os
 import random
 import runpy
 import sys
-import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 import trainstate as ts
+from forkjobs import fork_call, warm_imports
 
 DIM = 3
 N = 22  # 22 samples, batches of 4: 6 batches per epoch, the last one of 2
@@ -202,37 +202,13 @@ def _job(job: dict) -> None:
     gc.collect()  # shut the DataLoader workers down before the job exits
 
 
-def _warm_imports() -> None:
-    """Import what the first optimizer imports lazily (torch._dynamo: seconds), once, before forking."""
-    model = torch.nn.Linear(1, 1)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 1)).sum().backward()
-    opt.step()
-
-
 def main(jobs_file: str, results_file: str) -> int:
     torch.set_num_threads(1)
-    _warm_imports()
+    warm_imports()
     jobs = json.loads(Path(jobs_file).read_text())
     results = []
     for job in jobs:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the job's own process
-            code = 0
-            try:
-                _job(job)
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-            except BaseException:  # noqa: BLE001 - any failure is this job's exit status
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
+        pid, status = fork_call(lambda job=job: _job(job))  # the job's own process
         results.append({"out": job.get("out", job.get("stdout")), "pid": pid,
                         "exit": os.waitstatus_to_exitcode(status)})
     Path(results_file).write_text(json.dumps(results))  # each job's exit status; the caller judges them

@@ -32,30 +32,42 @@ def warm_imports() -> None:
     opt.step()
 
 
+def fork_call(fn: Callable[[], object], log: str | None = None) -> tuple[int, int]:
+    """Run ``fn`` in a forked process (its output appended to ``log``, if given): its pid and raw ``waitpid`` status.
+
+    The process exits 0 when ``fn`` returns, with ``SystemExit``'s code, or 1 on any other exception
+    (traceback printed); a signal (a SIGKILL the job aimed at itself) shows in the status.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            if log is not None:
+                with open(log, "a") as out:
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(out.fileno(), 2)
+            fn()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - any failure is this job's exit status
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid, os.waitpid(pid, 0)[1]
+
+
 def run_jobs(jobs_file: str, results_file: str, job: Callable[[dict], None]) -> int:
     warm_imports()
     if threads() != 1:
         raise RuntimeError(f"{threads()} threads before forking: a forked job could inherit a held lock")
     results = []
     for spec in json.loads(Path(jobs_file).read_text()):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                with open(spec["log"], "a") as log:
-                    os.dup2(log.fileno(), 1)
-                    os.dup2(log.fileno(), 2)
-                job(spec)
-            except BaseException:  # noqa: BLE001 - any failure is this job's exit status
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
+        _, status = fork_call(lambda spec=spec: job(spec), spec["log"])
         results.append({"name": spec["name"], "exit": os.waitstatus_to_exitcode(status)})
     Path(results_file).write_text(json.dumps(results))
     return 0

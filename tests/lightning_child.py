@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import sys
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from trainstate.integrations.lightning import TrainStateCallback, TrainStateCheckpointIO  # noqa: E402
 from trainstate.integrations.lightning_entry import pin_name  # noqa: E402
+from forkjobs import fork_call  # noqa: E402
 
 MAX_STEPS = 20
 EVERY = 3  # ModelCheckpoint(every_n_train_steps=EVERY): saves at 3, 6, ..., 18
@@ -132,19 +132,7 @@ def fit(start: dict) -> None:
 
 def run_start(start: dict) -> dict:
     """Fork a worker for ``start``; report how it ended and where it restored from."""
-    pid = os.fork()
-    if pid == 0:  # the worker
-        code = 0
-        try:
-            fit(start)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    _, status = fork_call(lambda: fit(start))  # the worker
     out = {"signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
            "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None}
     if os.path.exists(start["out"] + ".json"):
