@@ -399,14 +399,35 @@ def part_async(b: Bench, root: Path, reps: int, saves: Saves, loads: list[float]
     save of a long run does; "steady" numbers compare like with like. The first async save of a
     manager allocates its staging buffers; the second reuses them.
     """
-    keys = ("sync-first", "sync-steady", "stall-first", "total-first", "stall-steady", "total-steady")
+    keys = ("sync-first", "sync-steady", "stall-first", "total-first", "stall-steady", "total-steady",
+            "raw-first", "raw-steady", "stall-preallocated")
     times: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(reps):
         loads.append(os.getloadavg()[0])
-        for kind in rotated(("sync", "async"), r):
+        for kind in rotated(("sync", "async", "raw", "preallocated"), r):
             work = root / f"async-rep{r}-{kind}"
+            if kind == "raw":  # the disk's own control: the same bytes written twice, the first removed after
+                work.mkdir()
+                for phase in ("first", "steady"):
+                    settle()
+                    times[f"raw-{phase}"].append(timed(lambda o=work / f"{phase}.bin": saves.raw(b, o)))
+                    progress(f"async   rep {r} {phase:6s} raw write {times[f'raw-{phase}'][-1]:7.3f} s")
+                (work / "first.bin").unlink()
+                remove(work)
+                continue
             ckpt = ts.CheckpointManager(work, keep_last=1, verify=saves.verify)
             try:
+                if kind == "preallocated":  # ckpt.preallocate (untimed, as after a restore), then a first async save
+                    ckpt.preallocate(b.state)
+                    settle()
+                    b.state.next_update += 1
+                    start = time.perf_counter()
+                    handle = ckpt.save(b.state, blocking=False)
+                    times["stall-preallocated"].append(time.perf_counter() - start)
+                    handle.wait()
+                    del handle
+                    progress(f"async   rep {r} first  stall after preallocate {times['stall-preallocated'][-1]:7.3f} s")
+                    continue
                 for phase in ("first", "steady"):
                     settle()
                     b.state.next_update += 1
@@ -751,7 +772,13 @@ def async_table(t: dict[str, list[float]]) -> tuple[str, dict]:
                           ("total-steady", "stall+background, steady", "sync-steady")):
         lines.append(f"  {label:34s} {med(t[k]):9.3f} {per_rep(k, ref):29.3f}")
     summary["steady_over_fresh_sync"] = per_rep("sync-steady", "sync-first")
+    summary["raw_second_over_first"] = per_rep("raw-steady", "raw-first")
+    summary["stall_preallocated_over_stall_steady"] = med([a / s for a, s in zip(t["stall-preallocated"],
+                                                                                t["stall-steady"])])
+    lines.append(f"  {'stall, first after preallocate':34s} {med(t['stall-preallocated']):9.3f} "
+                 f"{summary['stall_preallocated_over_stall_steady']:22.3f} (/ stall, steady)")
     lines.append(f"  {'steady sync save / fresh-dir save':34s} {'':9s} {summary['steady_over_fresh_sync']:29.3f}")
+    lines.append(f"  {'control: raw 2nd write / 1st':34s} {'':9s} {summary['raw_second_over_first']:29.3f}")
     return "\n".join(lines), summary
 
 

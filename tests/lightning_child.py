@@ -164,7 +164,12 @@ def checks(work: Path, chain_dir: str) -> dict:
     attempt("saved_after_refusal", lambda: plugin.save_checkpoint(good, str(work / "checks" / "a.ckpt")))
     changed = {**good, "state_dict": {"w": torch.ones(2)}, "loops": {"fit_loop": {"x": 1}}}
     attempt("changed_state_same_step", lambda: plugin.save_checkpoint(changed, str(work / "checks" / "b.ckpt")))
+    out["revision"] = {"entries": {n: json.loads((work / "checks" / n).read_bytes())["generation"]
+                                   for n in ("a.ckpt", "b.ckpt") if (work / "checks" / n).exists()},
+                       "loaded": plugin.load_checkpoint(str(work / "checks" / "b.ckpt"))["loops"]}
     plugin.teardown()
+    with ts.CheckpointManager(work / "checks") as ckpt:
+        out["revision"]["latest"] = ckpt.latest()
     # A kill between the first publication and its entry leaves a generation that no .ckpt names.
     (work / "checks" / "a.ckpt").unlink()
     fresh = TrainStateCheckpointIO()
@@ -185,8 +190,11 @@ def checks(work: Path, chain_dir: str) -> dict:
     interrupted.teardown()
     os.replace(removal / "d.ckpt", removal / ".d.ckpt.trainstate-removing")
     before = ts.CheckpointManager(removal).pins()
+    (removal / ".e.ckpt.trainstate-tmp-0badc0de").write_bytes(b"{")  # an entry a kill cut short
+    (removal / ".notes.trainstate-tmp-0badc0de").write_bytes(b"x")  # not an entry: not ours to remove
     resumed = TrainStateCheckpointIO()
     resumed.load_checkpoint(str(removal))
+    out["stale_tmp"] = sorted(p.name for p in removal.glob(".*trainstate-tmp-*"))
     out["interrupted_removal"] = {"pinned_before": pin_name("d.ckpt") in before,
                                   "pinned_after": pin_name("d.ckpt") in resumed._manager.pins(),
                                   "aside_left": (removal / ".d.ckpt.trainstate-removing").exists()}

@@ -184,6 +184,19 @@ class StoreConformance:
         assert store.leftovers() == []
         assert read(store, generation_name(3), "a.bin") == generation_name(3).encode() * 3
 
+    def test_deferred_removal_is_invisible_at_once_and_joined(self, store: Store, reopen: Reopen):
+        store.defer_removals()
+        for update in (1, 2):
+            publish(store, generation_name(update))
+        store.remove(generation_name(1))
+        assert store.generations() == [generation_name(2)]  # gone for readers before the files are
+        assert reopen(store).generations() == [generation_name(2)]
+        assert store.join_removals(timeout=60) is True
+        assert store.leftovers() == [] and reopen(store).leftovers() == []
+        assert store.join_removals() is True  # nothing pending: returns at once
+        publish(store, generation_name(1))  # the name is free again once removed
+        assert store.generations() == [generation_name(2), generation_name(1)]
+
     def test_set_aside_keeps_the_files_out_of_sight(self, store: Store):
         files = publish(store, generation_name(4))
         publish(store, generation_name(5))

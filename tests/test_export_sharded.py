@@ -98,6 +98,9 @@ def test_a_two_rank_fsdp2_generation_exports_bitwise_like_a_single_process_one(m
     assert merged["ln_f.weight"].dtype == (torch.bfloat16 if dtype else torch.float32)
     want = {k: v.to(torch.bfloat16) if dtype and v.is_floating_point() else v for k, v in reference.items()}
     assert all(torch.equal(merged[k], want[k]) for k in merged) and "wte.weight" not in merged
+    card = (tmp_path / "multi" / "README.md").read_text()  # the compute rank 0 recorded for the 2-rank save
+    assert "- World size: 2\n- Device kind: cpu\n- Wall time summed over updates: " in card
+    assert "- Wall time summed over updates: not recorded" not in card
 
 
 def test_a_ddp_generation_exports_like_a_single_process_one(made, tmp_path):

@@ -114,9 +114,18 @@ def test_unencodable_value_is_refused_with_its_key_path(lightning_runs):
     assert "ok" in lightning_runs[1]["checks"]["saved_after_refusal"]
 
 
-def test_a_changed_state_at_a_published_step_is_refused(lightning_runs):
+def test_a_half_written_entry_is_removed_when_the_run_is_opened(lightning_runs):
+    assert lightning_runs[1]["checks"]["stale_tmp"] == [".notes.trainstate-tmp-0badc0de"]
+
+
+def test_a_changed_state_at_a_published_step_becomes_a_revision(lightning_runs):
+    """trainer.save_checkpoint after fit saves another state at the last step: a revision, not a refusal."""
     check = lightning_runs[1]["checks"]["changed_state_same_step"]
-    assert check["error"] == "GenerationExists" and "loops.fit_loop" in check["message"]
+    assert "ok" in check, check
+    revision = lightning_runs[1]["checks"]["revision"]
+    assert revision["entries"] == {"a.ckpt": "gen-000000000001", "b.ckpt": "gen-000000000001-r001"}
+    assert revision["loaded"] == {"fit_loop": {"x": 1}}
+    assert revision["latest"] == "gen-000000000001-r001"
 
 
 def test_a_pickle_is_never_loaded_and_a_missing_path_is_file_not_found(lightning_runs):

@@ -192,3 +192,85 @@ def test_copying_an_older_format_generation_checks_it_with_its_own_digest(tmp_pa
         # no pointer in the copy: restore finds the generation by name
         assert ckpt.restore(live, generation="gen-000000000001").generation.name == "gen-000000000001"
     assert _equal(_params(live), _params(state))
+
+
+def _manifest(run, generation="gen-000000000001"):
+    return parse_manifest((run / generation / "manifest.json").read_bytes(), "m")
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_a_file_written_while_it_is_read_fails_the_read(tmp_path, rewrite):
+    """Chunks are verified in the page cache and then copied: a write between the two is caught by the file's
+    identity (the same byte written back moves its change time), and the restore path treats it as damage."""
+    _save(tmp_path, seeds=(3,))
+    path = tmp_path / "gen-000000000001" / TENSORS
+    manifest = _manifest(tmp_path)
+    live = _state(9)
+    into = {f"model.{k}": v.detach() for k, v in live["model"].state_dict().items()}
+    seen = []
+
+    def on_bytes(n: int) -> None:
+        seen.append(n)
+        if rewrite and len(seen) == 1:
+            with open(path, "r+b") as f:  # same content, so every chunk still verifies
+                f.seek(200)
+                byte = f.read(1)
+                f.seek(200)
+                f.write(byte)
+    progress = chunked.Progress()
+    call = lambda: chunked.read_file(LocalStore(tmp_path, create=False), manifest, TENSORS, set(into), {},  # noqa: E731
+                                     into=into, progress=progress, on_bytes=on_bytes, workers=1)
+    if rewrite:
+        with pytest.raises(ts.CorruptGeneration, match="written while it was being read"):
+            call()
+        assert progress.live_changed  # the caller marks the state unusable
+    else:
+        call()  # the control: the same read with no write passes
+        assert _equal(_params(live), _params(_state(3)))
+        assert sum(seen) == manifest.file(TENSORS).size
+
+
+def test_on_bytes_counts_every_verified_byte_once(tmp_path):
+    _save(tmp_path, seeds=(3,))
+    manifest = _manifest(tmp_path)
+    seen: list[int] = []
+    with (tmp_path / "gen-000000000001" / TENSORS).open("rb") as stream:
+        chunked.verify_file(stream, manifest.file(TENSORS), "w", manifest.digest_algorithm, on_bytes=seen.append)
+    assert sum(seen) == manifest.file(TENSORS).size and len(seen) == len(manifest.file(TENSORS).chunks)
+
+
+class _StreamingStore(LocalStore):
+    """A local store whose files come back as plain streams (no descriptor), as an object store's do."""
+
+    def open(self, generation, file):
+        import io
+
+        with super().open(generation, file) as f:
+            return io.BytesIO(f.read())
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_fresh_tensors_never_keep_an_unverified_chunk(tmp_path, streaming):
+    """A chunk read straight into a fresh tensor is verified where it landed; a bad one fails the read (both the
+    mapped path for local files and the ring for streams)."""
+    _save(tmp_path, seeds=(3,))
+    store = (_StreamingStore if streaming else LocalStore)(tmp_path, create=False)
+    manifest = _manifest(tmp_path)
+    out: dict[str, torch.Tensor] = {}
+    chunked.read_file(store, manifest, TENSORS, {"model.0.weight"}, out)  # the control: intact, it reads
+    assert torch.equal(out["model.0.weight"], _state(3)["model"][0].weight.detach())
+    _flip(tmp_path, "gen-000000000001", 100)
+    if streaming:
+        store = _StreamingStore(tmp_path, create=False)
+    with pytest.raises(ts.CorruptGeneration, match="digest mismatch in chunk"):
+        chunked.read_file(store, manifest, TENSORS, {"model.0.weight"}, {})
+
+
+def test_a_file_shorter_than_its_record_is_refused_before_anything_is_mapped(tmp_path):
+    _save(tmp_path, seeds=(3,))
+    path = tmp_path / "gen-000000000001" / TENSORS
+    manifest = _manifest(tmp_path)
+    with open(path, "r+b") as f:
+        f.truncate(manifest.file(TENSORS).size - CHUNK_BYTES // 2)
+    with pytest.raises(ts.CorruptGeneration, match="ends .* bytes early"):
+        chunked.read_file(LocalStore(tmp_path, create=False), manifest, TENSORS, {"model.0.weight"}, {})

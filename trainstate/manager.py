@@ -28,6 +28,7 @@ from .format import signing
 from .format.manifest import parse_generation_name
 from .format.signing import SigningKey
 from .lifecycle import cadence as cadence_mod
+from .lifecycle.compute import Compute
 from .lifecycle import done as done_mod
 from .lifecycle import mirror as mirror_mod
 from .lifecycle.cadence import Cadence, Clock
@@ -119,6 +120,7 @@ class CheckpointManager:
                                             headroom=headroom)
         self.last_rejections: tuple[Rejection, ...] = ()
         self._clock = Clock()
+        self._compute = Compute()  # device kinds and wall time summed over the lineage (lifecycle.compute)
         self._last_full_update: int | None = None
         self._origin: int | None = None  # where the cadence started counting (first due() call)
         self._writer = Writer(max_in_flight)
@@ -190,12 +192,14 @@ class CheckpointManager:
             self._writer.raise_unreported()
             undo = state.parent, self._last_full_update
             try:
-                pending = self._prepare(state, weights_only, include_grads, metrics)
+                pending = self._prepare(state, weights_only, include_grads, metrics, started)
                 info = self._publish_or_roll_back(pending, state)
             except BaseException:
                 self._unprepare(state, undo)  # interrupted before the publication could roll it back
+                self._compute.saved(started, published=False)
                 raise
             self._clock.saved(time.monotonic() - started)
+            self._compute.saved(started, state.parent)
             return info
         # Ctrl-C may land anywhere from here to the hand-off: settle() tells whose slot it is.
         ticket, undo = Ticket(), None
@@ -203,7 +207,7 @@ class CheckpointManager:
             buffers = self._writer.reserve(ticket)  # backpressure: waits while max_in_flight saves are in flight
             self._writer.raise_unreported()  # one may have failed while we waited
             undo = state.parent, self._last_full_update
-            pending = self._prepare(state, weights_only, include_grads, metrics)
+            pending = self._prepare(state, weights_only, include_grads, metrics, started)
             if self._session is not None:
                 self._session.stage(pending, buffers)
             else:
@@ -212,9 +216,11 @@ class CheckpointManager:
         except BaseException:
             if not self._writer.settle(ticket) and undo is not None:  # not handed off: nothing will publish
                 self._unprepare(state, undo)
+            self._compute.saved(started, published=False)
             raise
         self._staged = pending.name
         self._clock.saved(time.monotonic() - started)  # the stall is what blocks training
+        self._compute.saved(started)
         return ticket.handle
 
     def preallocate(self, state: TrainState) -> int:
@@ -230,7 +236,7 @@ class CheckpointManager:
         self._writer.raise_unreported()
 
     def _prepare(self, state: TrainState, weights_only: bool, include_grads: bool,
-                 metrics: Mapping[str, float] | None) -> publish.Pending:
+                 metrics: Mapping[str, float] | None, started: float) -> publish.Pending:
         if self._session is not None:
             pending = self._session.prepare(self, state, weights_only, include_grads, metrics)
         else:
@@ -239,6 +245,7 @@ class CheckpointManager:
             state.parent = self._publisher.renamed.get(state.parent, state.parent)  # a background save's revision
             pending = publish.prepare(state, self.retention, weights_only=weights_only, include_grads=include_grads,
                                       metrics=metrics)
+        self._compute.record(state, pending, self._publisher.renamed, started)
         self._started = pending.name
         if pending.kind == "full":
             self._last_full_update = state.next_update
@@ -264,6 +271,7 @@ class CheckpointManager:
         state.lineage = [[new_timeline(), None]]
         state.parent = None
         self._new_timelines.add(state.lineage[-1][0])
+        self._compute.restart(None, 0.0)  # a deliberate restart from scratch: its training starts now
 
     def _publish_or_roll_back(self, p: publish.Pending, state: TrainState, background: bool = False
                               ) -> GenerationInfo:
@@ -396,6 +404,7 @@ class CheckpointManager:
         if info is not None:  # rank 0's verdict on every rank: they stop or go on together
             record = self._leader(lambda: done_mod.for_restore(self.store, self.key, info, state), "done")
             info = dataclasses.replace(info, done=record)
+        self._compute.restart(info and info.generation.name, info.generation.wall_s if info else 0.0)
         return info
 
     def finish(self, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> done_mod.DoneRecord:

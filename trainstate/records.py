@@ -25,12 +25,18 @@ class GenerationInfo:
     size: int
     manifest_digest: str
     digest_algorithm: str
+    devices: tuple[str, ...] = ()  # the device kinds its tensors lived on when saved; () when not recorded
+    wall_s: float | None = None  # seconds of training summed over its lineage's updates; None when not recorded
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))  # a list after a broadcast between ranks
 
     @classmethod
     def from_verified(cls, store: Store, v: Verified) -> GenerationInfo:
         m = v.manifest
         return cls(m.generation, f"{store.location}/{m.generation}", m.kind, m.next_update, m.created,
-                   v.manifest_size + sum(f.size for f in m.files), v.manifest_digest, m.digest_algorithm)
+                   v.manifest_size + sum(f.size for f in m.files), v.manifest_digest, m.digest_algorithm,
+                   tuple(m.compute.get("devices", ())), m.compute.get("wall_s"))
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .. import progress
 from ..errors import TrainStateError
 from ..tools.diff import diff, render
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    return report_command("diff", args, lambda: diff(args.a, args.b), render)
+    with progress.bar(None, "diff", args.progress) as shown:
+        return report_command("diff", args, lambda: diff(args.a, args.b, on_bytes=shown.update), render)
 
 
 def report_command(name: str, args: argparse.Namespace, compute: Callable[[], Any],
@@ -45,4 +47,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "2 error)")
     p.add_argument("a", help="a generation directory, RUN@UPDATE, or a run directory (its recovery point)")
     p.add_argument("b", help="the same forms as A")
+    progress.add_flag(p)
     p.set_defaults(func=cmd_diff)

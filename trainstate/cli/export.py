@@ -11,6 +11,7 @@ import argparse
 import json
 from typing import Any
 
+from .. import progress
 from ..errors import TrainStateError
 from ..format import signing
 from ..tools.bundle import is_bundle as _is_bundle, verify_bundle
@@ -34,13 +35,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hf-config", default=None, metavar="PATH",
                    help="a Hugging Face config.json (or a directory holding one) to write beside the weights; by "
                    "default the contract's 'config' field when it has a 'model_type'")
+    progress.add_flag(p)
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export, then print what was written."""
-    info = export(args.generation, args.out, component=args.component, dtype=args.dtype,
-                  max_shard_size=args.max_shard_size, include=args.include, hf_config=args.hf_config)
+    with progress.bar(None, "export", args.progress) as shown:
+        info = export(args.generation, args.out, component=args.component, dtype=args.dtype,
+                      max_shard_size=args.max_shard_size, include=args.include, hf_config=args.hf_config,
+                      on_bytes=shown.update)
     if args.json:
         print(json.dumps({"directory": info.directory, "generation": info.generation, "files": list(info.files),
                           "total_bytes": info.total_bytes, "shards": info.shards,

@@ -184,3 +184,11 @@ def contract_lines(fields: dict[str, Any], indent: str = "  ") -> list[str]:
         else:
             lines += _entry(key, value, {}, {}, indent, key)
     return lines
+
+
+def compute_line(compute: dict[str, Any]) -> str:
+    """The training compute a manifest records (its optional ``compute`` field): device kinds and wall time."""
+    devices = ", ".join(compute.get("devices", ())) or "not recorded"
+    wall = compute.get("wall_s")
+    wall_text = "not recorded" if wall is None else f"{wall:.3f} s summed over the lineage's updates"
+    return f"compute: device {devices}; wall time {wall_text}"

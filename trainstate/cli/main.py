@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import copy as cli_copy
 from . import cost as cli_cost
 from . import diff as cli_diff
 from . import inspecting
@@ -23,6 +24,7 @@ from . import lifecycle as cli_lifecycle
 from . import listing
 from . import timeline as cli_timeline
 from . import supervise as cli_supervise
+from .. import progress
 from ..format import signing
 from ..errors import InvalidArgument, TrainStateError
 from ..storage.base import Store
@@ -89,6 +91,14 @@ def cmd_discard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _total_bytes(store: Store, names: list[str], key: Any) -> int | None:
+    """The bytes verify will read (from the manifests), or None when one is unreadable (verify then says why)."""
+    try:
+        return sum(f.size for n in names for f in read_manifest(store, n, None, key)[0].files)
+    except (TrainStateError, OSError):
+        return None
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     if cli_export.is_bundle(args.target):  # a release bundle written by `trainstate export`
         return cli_export.cmd_verify_bundle(args)
@@ -100,12 +110,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                          "run directory? a save creates gen-<update> directories in it)"})
     checked = []
     run = expected_run(store, key)
-    for name in names:
-        try:
-            check_run(verify_generation(store, name, key=key).manifest, run)
-            checked.append(name)
-        except (TrainStateError, OSError) as exc:
-            failures.append({"generation": name, "error": str(exc)})
+    with progress.bar(_total_bytes(store, names, key), "verify", args.progress) as shown:
+        for name in names:
+            try:
+                check_run(verify_generation(store, name, key=key, on_bytes=shown.update).manifest, run)
+                checked.append(name)
+            except (TrainStateError, OSError) as exc:
+                failures.append({"generation": name, "error": str(exc)})
     if not single:
         pointers = listing.read_pointers(store, key)
         if POINTER not in pointers and any(parse_generation_name(n)[1] == "full" for n in names):
@@ -168,7 +179,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "generation": manifest.generation, "kind": manifest.kind, "next_update": manifest.next_update,
         "created": manifest.created, "digest_algorithm": manifest.digest_algorithm,
         "files": [{"name": f.name, "size": f.size} for f in manifest.files], "versions": manifest.versions,
-        "parent": manifest.parent, "data": manifest.data, "metrics": manifest.metrics,
+        "parent": manifest.parent, "data": manifest.data, "metrics": manifest.metrics, "compute": manifest.compute,
         "clocks": state.get("clocks"), "counters": state.get("counters"), "facts": state.get("facts"),
         "contract": state.get("contract"), "history": state.get("history"),
         "components": {n: ({**c, "state": inspecting.tree(c.get("state"), layouts, shared, n)} if type(c) is dict
@@ -192,6 +203,7 @@ def _inspect_lines(report: dict[str, Any], manifest: Any, states: dict[str, Any]
         lines.append(f"parent: {report['parent']}")
     if report["metrics"]:
         lines.append(f"metrics: {report['metrics']}")
+    lines.append(inspecting.compute_line(report["compute"]))
     for name, pos in manifest.data.items():
         lines.append(f"data {name}: epoch {pos['epoch']}, next batch {pos['cursor']} of {pos['batches_per_epoch']}, "
                      f"samples seen {pos['samples_seen']:,}, tokens seen {pos['tokens_seen']:,}, "
@@ -237,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rehearse", metavar="FACTORY", default=None,
                    help="module:function returning a fresh TrainState; restore the latest (or the given) "
                    "generation into it, as a restart would, without touching any live run")
+    progress.add_flag(p)
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("inspect", help="show a generation's components, clocks and contract (no tensor data read)")
     p.add_argument("generation", help="a generation directory, or a run directory for its newest")
@@ -254,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every rejected and abandoned entry")
     p.set_defaults(func=cmd_discard)
     cli_lifecycle.register(sub)
+    cli_copy.add_parser(sub)
     cli_cost.add_parser(sub)
     cli_diff.add_parser(sub)
     cli_doctor.add_parser(sub)

@@ -113,12 +113,13 @@ class Manifest:
     run: str = ""  # the identity of the run directory it was published into (see RUN); "" before format 2
     world_size: int = 1  # ranks that wrote it; omitted for a single process
     ranks: list = field(default_factory=list)  # per rank, the files it wrote (multi-rank generations)
+    compute: dict = field(default_factory=dict)  # {"devices": [...], "wall_s": float}; omitted when empty
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
         data["files"] = [{k: (list(v) if k == "chunks" else v) for k, v in asdict(f).items()
                           if k != "chunks" or v} for f in self.files]
-        for optional in ("data", "metrics", "retention", "lineage", "run", "ranks"):
+        for optional in ("data", "metrics", "retention", "lineage", "run", "ranks", "compute"):
             if not data[optional]:
                 del data[optional]
         if data["world_size"] == 1 and "ranks" not in data:
@@ -216,8 +217,9 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
         "versions": dict, "parent": (str, type(None)), "self_digest": str,
     }, {"signature": str, "data": dict, "metrics": dict, "retention": dict, "lineage": list, "run": str,
-        "world_size": int, "ranks": list})
+        "world_size": int, "ranks": list, "compute": dict})
     _check_common(where, raw, "trainstate")
+    _check_compute(where, raw.get("compute", {}))
     if "run" in raw and not _HEX_RE.fullmatch(raw["run"]):
         raise CorruptGeneration(where, "malformed run identity")
     _check_data(where, raw.get("data", {}))
@@ -294,6 +296,16 @@ def _check_data(where: str, data: dict) -> None:
 
 
 _TIMELINE_RE = re.compile(r"[0-9a-f]{16}|legacy")
+
+
+def _check_compute(where: str, compute: dict) -> None:
+    """``compute``: ``devices`` (1 to 64 short device-kind strings) and ``wall_s`` (finite, >= 0), both optional."""
+    _check(where, compute, {}, {"devices": list, "wall_s": float})
+    devices = compute.get("devices", ["absent"])
+    if not 0 < len(devices) <= 64 or any(type(d) is not str or not 0 < len(d) <= 200 for d in devices):
+        raise CorruptGeneration(where, "compute.devices must list 1 to 64 device kinds")
+    if "wall_s" in compute and not (math.isfinite(compute["wall_s"]) and compute["wall_s"] >= 0):
+        raise CorruptGeneration(where, "compute.wall_s must be a finite number of seconds >= 0")
 
 
 def _check_lineage(where: str, lineage: list, next_update: int) -> None:

@@ -23,8 +23,10 @@ What Lightning 2.x leaves out, and what each part adds:
   entry and the pin that kept its generation.
 - ModelCheckpoint saves the top-k file and then ``last.ckpt`` from one state:
   the second save is an entry naming the first's generation (one
-  generation, not two writes). Any other second save at the same global step
-  that changes the state raises :class:`~trainstate.GenerationExists`.
+  generation, not two writes). A second save at the same global step whose
+  state differs (``trainer.save_checkpoint`` after ``fit``, once the loops
+  have finished) is published as a revision of that step
+  (``gen-<step>-r001``), which supersedes the first; its entry names it.
 - Loading verifies the generation an entry names before anything is
   returned; an entry named ``last*.ckpt`` loads the run's recovery point
   (what ``latest`` names, which is never older than the entry's, since the
@@ -51,6 +53,7 @@ name). Single process only for now (``devices=1``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import logging
@@ -71,8 +74,8 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("trainstate.integrations.lightning needs Lightning 2.x: "
                       "pip install 'trainstate[lightning]'") from exc
 
-from ..errors import (ContinuationWarning, CorruptGeneration, ExistingRun, GenerationNotFound, InvalidArgument,
-                      InvalidType, NoValidGeneration, PinNotFound, Rejection)
+from ..errors import (ContinuationWarning, CorruptGeneration, ExistingRun, GenerationExists, GenerationNotFound,
+                      InvalidArgument, InvalidType, NoValidGeneration, PinNotFound, Rejection)
 from ..format.codec import TensorTable, encode
 from ..format.manifest import parse_generation_name
 from ..format.signing import SigningKey
@@ -87,6 +90,7 @@ from .lightning_entry import (MAX_ENTRY_BYTES, Entry, apply_overrides, entry_byt
 __all__ = ["TrainStateCallback", "TrainStateCheckpointIO"]
 log = logging.getLogger("trainstate")
 _REMOVING = ".trainstate-removing"
+_TMP = ".trainstate-tmp-"
 
 
 class LightningCheckpoint:
@@ -161,12 +165,17 @@ class TrainStateCheckpointIO(CheckpointIO):
         manager = self._open(self.directory or self._run or os.path.dirname(target))
         skeleton = encode(checkpoint, "lightning", TensorTable())  # refuses what no save could store, by key path
         last = self._published
+        overrides: tuple = ()
+        info = None
         if last is not None and last.step == step and last.run == self._run:
-            overrides = same_state_overrides(last.skeleton, skeleton, last.info.name)
-            info = last.info
-            log.info("%s names %s, which already holds global step %d: no second generation written", target,
-                     info.name, step)
-        else:
+            try:
+                overrides = same_state_overrides(last.skeleton, skeleton, last.info.name)
+                info = last.info
+                log.info("%s names %s, which already holds global step %d: no second generation written", target,
+                         info.name, step)
+            except GenerationExists as exc:  # another state at this step (a save after fit): a revision
+                log.info("%s: %s; publishing it as a revision of that step", target, str(exc).split(". ")[0])
+        if info is None:
             self._holder.value, self._state.next_update = checkpoint, step
             self._leave_abandoned_timeline(manager)
             try:
@@ -178,7 +187,6 @@ class TrainStateCheckpointIO(CheckpointIO):
             finally:
                 self._holder.value = None
             self._published = _Published(step, self._run, info, skeleton)
-            overrides = ()
         assert self._run is not None
         entry = Entry(os.path.relpath(self._run, os.path.dirname(target)), info.name, info.manifest_digest, step,
                       overrides)
@@ -274,6 +282,10 @@ class TrainStateCheckpointIO(CheckpointIO):
         for aside in sorted(glob.glob(os.path.join(glob.escape(run), f".*.ckpt{_REMOVING}"))):
             log.info("finishing the removal of %s, which a crash interrupted", aside)
             self._finish_removal(aside)
+        for tmp in sorted(glob.glob(os.path.join(glob.escape(run), f".*.ckpt{_TMP}*"))):
+            log.info("removing %s, an entry a crash left half-written (never named by Lightning)", tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # the run's lock is held: no other writer of entries here
         return self._manager
 
     def _leave_abandoned_timeline(self, manager: CheckpointManager) -> None:
@@ -419,7 +431,7 @@ def _write_durably(target: str, data: bytes) -> None:
     """Replace ``target`` atomically: a temporary file, fsync, rename, fsync of the directory."""
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(target)}.trainstate-tmp-{secrets.token_hex(4)}")
+    tmp = os.path.join(directory, f".{os.path.basename(target)}{_TMP}{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:

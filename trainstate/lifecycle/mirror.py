@@ -34,6 +34,7 @@ from ..errors import CorruptGeneration, ExistingRun, TrainStateError
 from ..format.manifest import (MANIFEST, POINTER, RUN, WEIGHTS_POINTER, Pointer, generation_order,
                                parse_generation_name, parse_pointer, parse_run)
 from ..format.signing import SigningKey
+from ..progress import OnBytes
 from ..storage.base import Store
 from ..storage.verify import Verified, read_manifest, verify_generation
 from .generations import Lifecycle
@@ -58,12 +59,14 @@ class MirrorStatus:
     failures: int
 
 
-def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None) -> Verified:
+def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *,
+                    on_bytes: OnBytes | None = None) -> Verified:
     """Copy one generation, checking every file's size and digest against the source manifest on the way.
 
     Each file is digested as the destination writes it; a file whose bytes
     do not match the manifest (damaged at the source, or in transit) aborts
     the copy with :class:`CorruptGeneration` and nothing is committed.
+    ``on_bytes`` is told each block of the manifest's files as it is read.
     """
     manifest, _, _ = read_manifest(src, name, None, key)
     with src.open(name, MANIFEST) as stream:
@@ -72,7 +75,8 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None) -
     try:
         for record in manifest.files:
             with src.open(name, record.name) as stream:
-                written = staging.write(record.name, _blocks(stream), algorithm=manifest.digest_algorithm)
+                written = staging.write(record.name, _blocks(stream, on_bytes),
+                                        algorithm=manifest.digest_algorithm)
             if (written.size, written.digest) != (record.size, record.digest):
                 raise CorruptGeneration(f"{src.location}/{name}/{record.name}",
                                         f"{manifest.digest_algorithm} digest mismatch while copying to {dst.location}")
@@ -84,9 +88,11 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None) -
     return verify_generation(dst, name, content=False, key=key)
 
 
-def _blocks(stream: Any) -> Iterator[bytes]:
+def _blocks(stream: Any, on_bytes: OnBytes | None = None) -> Iterator[bytes]:
     while block := stream.read(BLOCK):
         yield block
+        if on_bytes is not None:
+            on_bytes(len(block))
 
 
 def move_pointer(store: Store, verified: Verified, key: SigningKey | None) -> None:

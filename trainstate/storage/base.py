@@ -86,6 +86,18 @@ class Store(Protocol):
     def remove(self, generation: str) -> None:
         """Make a generation invisible atomically, then delete its files."""
 
+    def defer_removals(self) -> None:
+        """From now on :meth:`remove` may delete the files in the background, after the generation is invisible.
+
+        Deletion then stays off the save path. A store whose removal is already
+        cheap may ignore this. Pending deletions are joined by
+        :meth:`join_removals` and by :meth:`unlock`; one a crash cut short
+        leaves only a leftover that :meth:`clean_leftovers` removes.
+        """
+
+    def join_removals(self, timeout: float | None = None) -> bool:
+        """Wait for background deletions; ``True`` when none is pending (always, for a store that defers none)."""
+
     def set_aside(self, generation: str, reason: str) -> str:
         """Move a generation out of sight of readers and cleanup, keeping its files; return its new name.
 

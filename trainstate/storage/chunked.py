@@ -5,17 +5,24 @@ A format-3 manifest lists the digest of every 4 MiB chunk of every file
 the pointer (and the signature, when a key is set). So a chunk can be checked
 on its own, as soon as it is read:
 
-1. One thread reads the file in order into a small ring of staging buffers
-   (one chunk per worker plus one, within 5% of the file but at least three:
-   12 MiB on two cores), with sequential read-ahead advised to the kernel.
-2. Worker threads (BLAKE3 releases the GIL) digest a staged chunk, compare it
-   with the manifest, and only then copy its bytes into the tensors they
-   belong to: fresh tensors, or live ones for an in-place restore.
-3. A chunk that does not match stops the read. Nothing unverified was copied
-   anywhere; but for an in-place restore, verified chunks before it may
-   already be in live tensors. :class:`Progress` says whether any were, and
-   the restore path marks the state unusable then (see
-   :mod:`trainstate.restore`).
+1. Worker threads (one per core, at most eight) each take the next chunk of
+   a local file and map it (4 MiB of the page cache, unmapped at once).
+2. The worker digests the chunk there (BLAKE3 releases the GIL) and compares
+   it with the manifest; only then are its bytes copied into the tensors
+   they belong to: fresh tensors, or live ones for an in-place restore. No
+   unverified byte is ever copied into a live tensor, and no byte is copied
+   twice (a chunk bound for a fresh tensor alone is copied first and
+   verified where it landed). A file whose inode, size or change time moved
+   while it was read fails the read.
+3. A chunk that does not match stops the read (chunks already in flight on
+   other workers finish). Verified chunks may already be in live tensors:
+   :class:`Progress` says whether any were, and the restore path marks the
+   state unusable then (see :mod:`trainstate.restore`). A fresh tensor that
+   received an unverified chunk is dropped with the error.
+
+Streams that cannot be mapped (object stores) are read in order by
+one thread into a small ring of staging buffers (one per worker plus one,
+within 5% of the file), and the workers verify and place each chunk.
 
 :func:`header_preview` reads only what restore checks before a live object
 changes: each tensor file's header and the RNG tensors, each from verified
@@ -25,11 +32,16 @@ chunks. Meta tensors stand in for the rest.
 from __future__ import annotations
 
 import io
+import itertools
+import mmap
 import os
+import stat
 import struct
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -42,6 +54,7 @@ from ..format.manifest import FileRecord, Manifest
 from .base import Store
 
 WORKERS = max(1, min(8, os.cpu_count() or 1))
+OnBytes = Callable[[int], None]  # told the bytes of each chunk once it verified
 
 
 @dataclass
@@ -139,11 +152,12 @@ def header_preview(store: Store, manifest: Manifest, names: list[str], keep: set
 
 
 def verify_file(stream: BinaryIO, record: FileRecord, where: str, algorithm: str,
-                workers: int | None = None) -> None:
+                workers: int | None = None, on_bytes: OnBytes | None = None) -> None:
     """Check every chunk of a whole file, on every core (for files that are checked now and read later)."""
     _advise_sequential(stream)
     stream.seek(0)
-    _stream_chunks(stream, record, [], where, algorithm, Progress(), workers or WORKERS)
+    _stream_chunks(stream, record, [], where, algorithm, Progress(), workers or WORKERS, on_bytes)
+    stream.seek(record.size)
     if stream.read(1):
         raise CorruptGeneration(where, f"is longer than the {record.size} bytes the manifest records")
 
@@ -160,7 +174,8 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
 
 def read_file(store: Store, manifest: Manifest, name: str, wanted: set[str], tensors: dict[str, torch.Tensor], *,
               preview: bool = False, preview_bytes: int = 1 << 16, into: dict[str, torch.Tensor] | None = None,
-              progress: Progress | None = None, workers: int | None = None) -> None:
+              progress: Progress | None = None, workers: int | None = None, on_bytes: OnBytes | None = None
+              ) -> None:
     """Read one chunked tensor file once, every chunk verified before its bytes are used.
 
     Entries land in ``into``'s tensors where they fit (name, shape, dtype),
@@ -189,13 +204,122 @@ def read_file(store: Store, manifest: Manifest, name: str, wanted: set[str], ten
             if entry.name in wanted:
                 tensors[entry.name] = tensor
         stream.seek(0)
-        _stream_chunks(stream, record, targets, where, manifest.digest_algorithm, progress, workers or WORKERS)
+        _stream_chunks(stream, record, targets, where, manifest.digest_algorithm, progress, workers or WORKERS,
+                       on_bytes)
     progress.files.append(name)
 
 
 def _stream_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target], where: str, algorithm: str,
-                   progress: Progress, workers: int) -> None:
-    """Read every chunk in order; workers verify each and copy it to the targets it overlaps."""
+                   progress: Progress, workers: int, on_bytes: OnBytes | None = None) -> None:
+    """Verify every chunk of the file and copy each to the targets it overlaps, on ``workers`` threads."""
+    fd = _positional(stream)
+    if fd is None:
+        _ring_chunks(stream, record, targets, where, algorithm, progress, workers, on_bytes)
+    else:
+        _mapped_chunks(fd, record, targets, where, algorithm, progress, workers, on_bytes)
+
+
+def _positional(stream: BinaryIO) -> int | None:
+    """The descriptor of a local regular file that threads can map at offsets; None for a stream."""
+    try:
+        fd = stream.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
+        return None
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _mapped_chunks(fd: int, record: FileRecord, targets: list[_Target], where: str, algorithm: str,
+                   progress: Progress, workers: int, on_bytes: OnBytes | None) -> None:
+    """Each worker maps the next chunk from the page cache, verifies it there and only then copies it.
+
+    No read copy: the digest reads the page cache through a 4 MiB mapping
+    (unmapped at once, so the mapping never adds more than a chunk per
+    worker to the process's memory), and a verified chunk is copied once,
+    into its tensors. A chunk bound for fresh tensors only is copied first
+    and verified where it landed. The file must be as long as the manifest
+    says before anything is mapped (a mapping past the end would fault), and
+    its identity (inode, size, change times) must be the same after the last
+    chunk as before the first: a file written while it was read fails the
+    read, like a bad chunk.
+    """
+    count = len(record.chunks)
+    before = os.fstat(fd)
+    if before.st_size < record.size:
+        raise CorruptGeneration(where, f"file ends {record.size - before.st_size} bytes early")
+    order = itertools.count()
+    lock = threading.Lock()
+    failures: list[tuple[int, BaseException]] = []
+
+    def work() -> None:
+        while not failures:
+            index = next(order)
+            if index >= count:
+                return
+            lo, hi = _chunk_span(record, index)
+            try:
+                _one_chunk(fd, record, index, lo, hi, targets, where, algorithm, progress)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller, lowest chunk first
+                with lock:
+                    failures.append((index, exc))
+                return
+            with lock:
+                progress.chunks += 1
+                progress.bytes += hi - lo
+            if on_bytes is not None:
+                on_bytes(hi - lo)
+
+    threads = max(1, min(workers, count))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="trainstate-chunks") as pool:
+        done = [pool.submit(work) for _ in range(threads)]
+    for future in done:
+        future.result()  # work() catches everything; a bug in it still surfaces
+    if failures:
+        raise min(failures, key=lambda f: f[0])[1]
+    if _identity(os.fstat(fd)) != _identity(before):
+        raise CorruptGeneration(where, "was written while it was being read (its size or change time moved); "
+                                       "nothing read from it is trusted")
+
+
+def _one_chunk(fd: int, record: FileRecord, index: int, lo: int, hi: int, targets: list[_Target], where: str,
+               algorithm: str, progress: Progress) -> None:
+    if hi <= lo:
+        return
+    over = _overlapping(targets, lo, hi)
+    mapped = mmap.mmap(fd, hi - lo, prot=mmap.PROT_READ, offset=lo)
+    data = np.frombuffer(mapped, np.uint8)
+    try:
+        only = over[0] if len(over) == 1 else None
+        if only is not None and not only.live and only.begin <= lo and only.end >= hi:
+            view = only.view[lo - only.begin : hi - only.begin]
+            np.copyto(view, data)  # a fresh tensor: verify the bytes where they landed
+            _check(record, index, view, where, algorithm)
+        else:
+            _check(record, index, data, where, algorithm)
+            _place(over, lo, hi, data, progress)
+    finally:
+        del data
+        try:
+            mapped.close()
+        except BufferError:
+            pass  # an error's traceback still holds a view of it: the mapping goes when that does
+
+
+def _place(over: list[_Target], lo: int, hi: int, data: np.ndarray, progress: Progress) -> None:
+    """Copy a verified chunk's bytes into the targets it overlaps."""
+    for t in over:
+        a, b = max(t.begin, lo), min(t.end, hi)
+        if t.live:
+            progress.live_changed = True  # before the copy: a copy cut short still changed live bytes
+        np.copyto(t.view[a - t.begin : b - t.begin], data[a - lo : b - lo])
+
+
+def _ring_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target], where: str, algorithm: str,
+                 progress: Progress, workers: int, on_bytes: OnBytes | None) -> None:
+    """For streams (object stores): one thread reads in order into a ring; workers verify and place."""
     count = len(record.chunks)
     # workers + 1 buffers, but within 5% of the file (at least three: two workers and the reader)
     ring_size = min(count, workers + 1, max(3, record.size // 20 // CHUNK_BYTES))
@@ -213,13 +337,11 @@ def _stream_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target],
         except CorruptGeneration as exc:
             error.append(exc)
             return
-        for t in _overlapping(targets, lo, hi):
-            a, b = max(t.begin, lo), min(t.end, hi)
-            np.copyto(t.view[a - t.begin : b - t.begin], buf[a - lo : b - lo])
-            if t.live:
-                progress.live_changed = True
+        _place(_overlapping(targets, lo, hi), lo, hi, buf[:n], progress)
         progress.chunks += 1
         progress.bytes += n
+        if on_bytes is not None:
+            on_bytes(n)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trainstate-chunks") as pool:
         try:

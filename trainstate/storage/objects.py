@@ -282,6 +282,12 @@ class ObjectStore:
                     from None
         self.client.delete(f"aside/{aside}")
 
+    def defer_removals(self) -> None:
+        """Removal is a few deletes of small objects after the commit record goes: kept on the caller's thread."""
+
+    def join_removals(self, timeout: float | None = None) -> bool:
+        return True
+
     def clean_leftovers(self) -> list[str]:
         removed = self.leftovers()
         for attempt in removed:

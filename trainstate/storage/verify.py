@@ -23,6 +23,7 @@ from ..errors import CorruptGeneration
 from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, check_version, load_json,
                                parse_manifest)
 from ..format.signing import SigningKey
+from ..progress import OnBytes
 from . import chunked
 from .base import Store
 
@@ -78,7 +79,7 @@ def read_manifest(store: Store, generation: str, pointer: Pointer | None = None,
 
 
 def verify_generation(store: Store, generation: str, pointer: Pointer | None = None, *, content: bool = True,
-                      key: SigningKey | None = None) -> Verified:
+                      key: SigningKey | None = None, on_bytes: OnBytes | None = None) -> Verified:
     """Check the file set and sizes, and with ``content`` every file's digest and that the state decodes.
 
     With ``content`` it decodes the state exactly as restore does (a preview:
@@ -104,7 +105,7 @@ def verify_generation(store: Store, generation: str, pointer: Pointer | None = N
         if present[record.name] != record.size:
             raise CorruptGeneration(where, f"is {present[record.name]} bytes, the manifest says {record.size}")
     if content:
-        decode_verified(store, manifest, preview=True)  # digests state.json and the tensor files as it reads
+        decode_verified(store, manifest, preview=True, on_bytes=on_bytes)  # digests state.json and tensor files
         decoded = {STATE, *tensor_files(manifest)}
         for record in manifest.files:
             if record.name in decoded:
@@ -113,13 +114,15 @@ def verify_generation(store: Store, generation: str, pointer: Pointer | None = N
             try:
                 with store.open(generation, record.name) as stream:
                     if record.chunks:  # blake3-chunked: every chunk checked on its own, on every core
-                        chunked.verify_file(stream, record, where, manifest.digest_algorithm)
+                        chunked.verify_file(stream, record, where, manifest.digest_algorithm, on_bytes=on_bytes)
                         continue
                     got_size, got = digest_stream(stream, manifest.digest_algorithm, record.size)
             except OSError as exc:
                 raise CorruptGeneration(where, f"unreadable ({exc.strerror})") from None
             if got_size != record.size or got != record.digest:
                 raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
+            if on_bytes is not None:
+                on_bytes(record.size)
     return Verified(manifest, digest, size)
 
 
@@ -240,7 +243,7 @@ def load_verified(store: Store, generation: str, pointer: Pointer | None = None,
 
 def decode_verified(store: Store, manifest: Manifest, component: str | None = None, *, preview: bool = False,
                     into: dict[str, torch.Tensor] | None = None,
-                    progress: chunked.Progress | None = None) -> dict[str, Any]:
+                    progress: chunked.Progress | None = None, on_bytes: OnBytes | None = None) -> dict[str, Any]:
     """Read every file of a structurally verified generation once, check each digest, decode the payload.
 
     ``preview``: tensors above ``PREVIEW_BYTES`` are read (and digested) but
@@ -253,6 +256,8 @@ def decode_verified(store: Store, manifest: Manifest, component: str | None = No
     """
     generation = manifest.generation
     state = _read_verified_state(store, manifest)
+    if on_bytes is not None:
+        on_bytes(manifest.file(STATE).size)
     where_state = f"{generation}/{STATE}"
     if component is not None:
         if component not in state["components"]:
@@ -264,7 +269,7 @@ def decode_verified(store: Store, manifest: Manifest, component: str | None = No
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainstate-verify") as pool:
             for name in tensor_files(manifest):
                 _read_tensor_file(store, manifest, name, wanted, tensors, pool, preview=preview, into=into,
-                                  progress=progress)
+                                  progress=progress, on_bytes=on_bytes)
         if component is not None:
             return {"type": state["type"], "state": decode(state["state"], component, tensors)}
         payload = decode_state(state, tensors)
@@ -379,12 +384,12 @@ _fits = chunked.fits
 def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[str],
                       tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor, *,
                       preview: bool = False, into: dict[str, torch.Tensor] | None = None,
-                      progress: chunked.Progress | None = None) -> None:
+                      progress: chunked.Progress | None = None, on_bytes: OnBytes | None = None) -> None:
     """Read and digest one tensor file; with ``preview``, large tensors become meta placeholders
     (checked for shape and dtype only); with ``into``, matching tensors are read straight into those."""
     if manifest.digest_algorithm == CHUNKED:  # every chunk verified on its own, on every core
         chunked.read_file(store, manifest, name, wanted, tensors, preview=preview, preview_bytes=PREVIEW_BYTES,
-                          into=into, progress=progress)
+                          into=into, progress=progress, on_bytes=on_bytes)
         return
     record = manifest.file(name)
     where = f"{manifest.generation}/{name}"
@@ -414,6 +419,8 @@ def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[s
             raise
         if reader.position != record.size or reader.hexdigest() != record.digest:
             raise mismatch
+    if on_bytes is not None:
+        on_bytes(record.size)
 
 
 def referenced_tensors(skeleton: Any) -> list[str]:

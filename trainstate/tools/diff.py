@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..progress import OnBytes
 from .diffread import CHUNK_BYTES, Side, TensorDiff, TensorReader, load_side
 
 CATEGORIES = ("contract", "model", "optimizer", "scheduler", "clocks", "rng", "data")
@@ -246,16 +247,18 @@ def _summary(name: str, walker: _Walker) -> str:
     return f"{title}: DIFFERENT: " + "; ".join(parts)
 
 
-def diff(a: str | Path, b: str | Path, *, chunk_bytes: int = CHUNK_BYTES) -> DiffReport:
+def diff(a: str | Path, b: str | Path, *, chunk_bytes: int = CHUNK_BYTES, on_bytes: OnBytes | None = None
+         ) -> DiffReport:
     """Compare two generations (a generation directory, ``RUN@UPDATE``, or a run for its recovery point).
 
     Both are fully verified first (every digest, as ``trainstate verify``);
     tensors are then compared bitwise, ``chunk_bytes`` at a time per side, so memory stays bounded.
+    ``on_bytes`` is told each batch of bytes read: verified on either side, then compared (both sides').
     """
-    side_a, side_b = load_side(a), load_side(b)
+    side_a, side_b = load_side(a, on_bytes), load_side(b, on_bytes)
     trees_a, trees_b = _trees(side_a), _trees(side_b)
     categories = []
-    with TensorReader(side_a, side_b, chunk_bytes) as reader:
+    with TensorReader(side_a, side_b, chunk_bytes, on_bytes) as reader:
         for name in CATEGORIES:
             walker = _Walker(reader)
             if name == "rng":

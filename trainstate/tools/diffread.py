@@ -20,6 +20,7 @@ from ..format import signing, tensorfile
 from ..format.manifest import Manifest, generation_name, parse_generation_name
 from ..storage.base import Store
 from ..storage.locate import open_existing, split_generation
+from ..progress import OnBytes
 from ..storage.verify import read_layouts, read_state_json, verify_generation
 
 CHUNK_BYTES = 16 << 20  # per side and per read: the bound on what a tensor comparison holds at once
@@ -61,11 +62,12 @@ def resolve(target: str | Path) -> tuple[Store, str]:
     return store, generation
 
 
-def load_side(target: str | Path) -> Side:
-    """Verify a generation (every digest) and read its skeleton and tensor headers, no tensor data kept."""
+def load_side(target: str | Path, on_bytes: OnBytes | None = None) -> Side:
+    """Verify a generation (every digest) and read its skeleton and tensor headers, no tensor data kept
+    (``on_bytes``: told each batch of bytes verified)."""
     store, generation = resolve(target)
     key = signing.resolve(None, store.location)
-    manifest = verify_generation(store, generation, content=True, key=key).manifest
+    manifest = verify_generation(store, generation, content=True, key=key, on_bytes=on_bytes).manifest
     side = Side(str(target), store, manifest, read_state_json(store, manifest))
     for file, layout in read_layouts(store, manifest).items():
         for entry in layout.entries:
@@ -88,8 +90,9 @@ class TensorDiff:
 class TensorReader:
     """Open tensor files of both sides once, and compare tensors by name in bounded chunks."""
 
-    def __init__(self, a: Side, b: Side, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, a: Side, b: Side, chunk_bytes: int = CHUNK_BYTES, on_bytes: OnBytes | None = None):
         self.sides = (a, b)
+        self.on_bytes = on_bytes  # told the bytes read from both sides for each chunk compared
         self.chunk_bytes = chunk_bytes
         self._streams: dict[tuple[int, str], BinaryIO] = {}
         self._exit = contextlib.ExitStack()
@@ -128,6 +131,8 @@ class TensorReader:
                 raise OSError(f"tensor {name_a!r} ended early while comparing (file changed under the diff?)")
             if ca != cb:
                 acc.add(ca, cb, offset // size)
+            if self.on_bytes is not None:
+                self.on_bytes(2 * n)
         return TensorDiff(elements, acc.differing, acc.first, acc.max_abs, acc.max_rel)
 
 

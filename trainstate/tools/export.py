@@ -43,6 +43,7 @@ from ..errors import CorruptGeneration, InvalidArgument
 from ..format import signing, tensorfile
 from ..format.manifest import MANIFEST
 from ..format.signing import SigningKey
+from ..progress import OnBytes
 from ..storage.posix import PosixOps
 from . import bundle, modelcard
 from .exportread import Source, Spec, open_source
@@ -195,6 +196,27 @@ def _streamed(source: Source, header: bytes, order: list[str], target: torch.dty
     return chunks
 
 
+def _counted(content: bundle.Content, on_bytes: OnBytes) -> bundle.Content:
+    """The same content, telling ``on_bytes`` each batch as the writer takes it."""
+    def chunks() -> Iterator[bytes | memoryview]:
+        for chunk in ([content] if isinstance(content, bytes) else content()):
+            yield chunk
+            on_bytes(memoryview(chunk).nbytes)
+    return chunks
+
+
+def _counted_last(last: Callable[[list[bundle.FileDigest]], bytes], on_bytes: OnBytes | None
+                  ) -> Callable[[list[bundle.FileDigest]], bytes]:
+    if on_bytes is None:
+        return last
+
+    def counted(written: list[bundle.FileDigest]) -> bytes:
+        data = last(written)
+        on_bytes(len(data))
+        return data
+    return counted
+
+
 # --- Hugging Face config ---------------------------------------------------------------------------------------
 
 def hf_config(state: Mapping[str, Any], given: Any = None) -> dict[str, Any] | None:
@@ -233,7 +255,7 @@ def export(generation_or_run: str | Path, out: str | Path, *, component: str = "
            dtype: str | torch.dtype | None = None, max_shard_size: int | str | None = None,
            include: Iterable[str | Path] = (), hf_config: Any = None,
            signing_key: SigningKey | bytes | str | None = None, storage_options: dict[str, Any] | None = None,
-           ops: PosixOps | None = None) -> ExportInfo:
+           ops: PosixOps | None = None, on_bytes: OnBytes | None = None) -> ExportInfo:
     """Write ``component``'s parameters and buffers as safetensors into the new directory ``out``.
 
     ``generation_or_run``: a generation directory, or a run directory (its
@@ -251,7 +273,8 @@ def export(generation_or_run: str | Path, out: str | Path, *, component: str = "
     model card of what the run recorded and a ``release-manifest.json``
     listing every file's size and SHA-256, signed when a key is configured
     (``trainstate verify OUT`` checks it). Raises :class:`GenerationExists`
-    for a non-empty ``out``.
+    for a non-empty ``out``. ``on_bytes`` is told each batch of bytes written
+    into the bundle (all files, the release manifest included).
 
     >>> info = ts.export("runs/exp1", "release/v1", dtype="bf16", max_shard_size="5GB", include=["tokenizer/"])
     >>> safetensors.torch.load_model(model, "release/v1/model.safetensors")  # ties restored
@@ -263,14 +286,14 @@ def export(generation_or_run: str | Path, out: str | Path, *, component: str = "
     source = open_source(generation_or_run, component, signing_key, storage_options)
     try:
         key = signing.resolve(signing_key)
-        return _export(source, out, target, max_bytes, include, hf_config, key, ops)
+        return _export(source, out, target, max_bytes, include, hf_config, key, ops, on_bytes)
     finally:
         source.close()
 
 
 def _export(source: Source, out: Path, target: torch.dtype | None, max_bytes: int | None,
             include: Iterable[str | Path], given_config: Any, key: SigningKey | None,
-            ops: PosixOps | None) -> ExportInfo:
+            ops: PosixOps | None, on_bytes: OnBytes | None = None) -> ExportInfo:
     manifest, state = source.manifest, source.state
     name = manifest.generation
     digest = f"{manifest.digest_algorithm}:{source.manifest_digest}"
@@ -296,7 +319,8 @@ def _export(source: Source, out: Path, target: torch.dtype | None, max_bytes: in
         versions=manifest.versions, metrics=manifest.metrics,
         data_manifest=state["contract"]["fields"].get("data_manifest"), component=source.component,
         dtype=dtype_name, files=weight_files, total_bytes=total, tied=source.tied,
-        world_size=manifest.world_size,
+        world_size=manifest.world_size, devices=tuple(manifest.compute.get("devices", ())),
+        wall_s=manifest.compute.get("wall_s"),
         included=tuple((rel, *digests[rel]) for rel in included), hf_config=config is not None)
     files[CARD_FILE] = modelcard.render(facts).encode()
     about = {"generation": name, "manifest_digest": digest, "component": source.component, "dtype": dtype_name}
@@ -308,7 +332,9 @@ def _export(source: Source, out: Path, target: torch.dtype | None, max_bytes: in
                                                                "bundle; nothing was published. Export again")
         return bundle.manifest_bytes(written, about, key)
 
-    bundle.publish(out, files, ops, last=manifest_last)
+    if on_bytes is not None:
+        files = {rel: _counted(content, on_bytes) for rel, content in files.items()}
+    bundle.publish(out, files, ops, last=_counted_last(manifest_last, on_bytes))
     return ExportInfo(str(out), name, weight_files, total, len(weight_files), dict(source.tied), dtype_name,
                       manifest.world_size, config is not None, tuple(included), key is not None)
 

@@ -5,9 +5,12 @@ verified generation and returns Markdown. Every field the run did not record
 is written as ``not recorded`` rather than guessed, and the fields a release
 needs that a training run cannot know (license, intended use, limitations,
 evaluation protocol) are listed as such for the publisher to fill in. The
-training compute is what the run measured (updates, tokens seen, world size);
-device kind and wall time are not recorded by trainstate, and say so. Files
-included in the bundle are listed with their SHA-256.
+training compute is what the run measured (updates, tokens seen, world size,
+the device kinds its tensors lived on when saved, and the wall time summed over
+the updates of the generation's lineage, save stalls excluded: see
+:mod:`trainstate.lifecycle.compute`); a generation saved before trainstate
+recorded the last two (or whose lineage it could not time) says ``not
+recorded`` for them. Files included in the bundle are listed with their SHA-256.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class CardFacts:
     world_size: int = 1  # the ranks that wrote the generation
     included: tuple[tuple[str, int, str], ...] = ()  # files added to the bundle: name, size, SHA-256
     hf_config: bool = False  # a Hugging Face config.json was written beside the weights
+    devices: tuple[str, ...] = ()  # device kinds of the saved tensors (rank 0's); () when not recorded
+    wall_s: float | None = None  # seconds of training summed over the lineage's updates; None when not recorded
 
 
 def _value(value: Any) -> str:
@@ -52,6 +57,12 @@ def _value(value: Any) -> str:
     if isinstance(value, str):
         return f"`{value}`"
     return f"`{json.dumps(value, sort_keys=True)}`"
+
+
+def _seconds(wall_s: float | None) -> str:
+    if wall_s is None:
+        return NOT_RECORDED
+    return f"{wall_s:.3f} s ({wall_s / 3600:.2f} h; save stalls excluded)"
 
 
 def render(facts: CardFacts) -> str:
@@ -101,8 +112,8 @@ def render(facts: CardFacts) -> str:
               f"- Updates: {facts.next_update}",
               f"- Tokens seen: {facts.tokens_seen}",
               f"- World size: {facts.world_size}",
-              f"- Device kind: {NOT_RECORDED}",
-              f"- Wall time summed over updates: {NOT_RECORDED}"]
+              f"- Device kind: {', '.join(facts.devices) or NOT_RECORDED}",
+              f"- Wall time summed over updates: {_seconds(facts.wall_s)}"]
     lines += ["", "## Included files", ""]
     if facts.included:
         lines += [f"- `{name}`: {size} bytes, sha256 `{digest}`" for name, size, digest in facts.included]
