@@ -107,7 +107,7 @@ class CheckpointManager:
         publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
         self.store: Store = store if store is not None else open_store(directory, digest,
                                                                        storage_options=storage_options)
-        getattr(self.store, "defer_removals", lambda: None)()  # pruned files are deleted off the save path
+        self.store.defer_removals()  # pruned files are deleted off the save path
         self.key = signing.resolve(signing_key, directory)
         self.rehearse_factory = rehearse
         self.cadence = cadence

@@ -342,7 +342,7 @@ class Publisher:
         free = self.store.free_bytes()
         if free is None or free >= needed:
             return
-        join_removals = getattr(self.store, "join_removals", lambda: True)
+        join_removals = self.store.join_removals
         if join_removals():  # generations pruned earlier may still be being deleted in the background
             free = self.store.free_bytes() or 0
             if free >= needed:
