@@ -137,10 +137,10 @@ def test_generation_changed_between_passes_is_reported(tmp_path, monkeypatch):
     _saved_at_5(tmp_path, "blake3")
     real = restore_mod.decode_verified
 
-    def tamper_then_load(store, manifest, component=None, *, preview=False, into=None):
+    def tamper_then_load(store, manifest, component=None, *, preview=False, into=None, **options):
         if into is not None:
             _damage_tensors(tmp_path, manifest.generation)  # after the verifying pass, before the loading one
-        return real(store, manifest, component, preview=preview, into=into)
+        return real(store, manifest, component, preview=preview, into=into, **options)
 
     monkeypatch.setattr(restore_mod, "decode_verified", tamper_then_load)
     live = build(seed=99)

@@ -200,3 +200,59 @@ def test_copy_uploads_to_and_downloads_from_s3(run, tmp_path, moto_server, monke
     assert json.loads(capsys.readouterr().out)["copied"] == [G2]
     for f in read_manifest(LocalStore(back, create=False), G2, None, None)[0].files:
         assert (back / G2 / f.name).read_bytes() == (run / G2 / f.name).read_bytes()
+
+
+def _recorded_bars(monkeypatch) -> list[tuple[str, int, int | None]]:
+    """Every library bar as it closes: (what it counted, bytes counted, the total it aimed at)."""
+    closed: list[tuple[str, int, int | None]] = []
+    close = ts.progress.Bar.close
+
+    def recording(self):
+        closed.append((self.desc, self.count, self.total))
+        close(self)
+    monkeypatch.setattr(ts.progress.Bar, "close", recording)
+    return closed
+
+
+def _tensor_and_state_bytes(store, name: str) -> int:
+    return sum(f.size for f in read_manifest(store, name, None, None)[0].files if f.name != "manifest.json")
+
+
+@pytest.mark.parametrize("in_place", [None, False])
+def test_manager_progress_counts_every_byte_saved_and_restored(run, tmp_path, monkeypatch, capfd, in_place):
+    closed = _recorded_bars(monkeypatch)
+    state = trainer.build(seed=0)
+    with ts.CheckpointManager(tmp_path / "new", progress=True) as ckpt:
+        trainer.step(state)
+        info = ckpt.save(state)
+        ckpt.save(state, blocking=False).wait()  # nothing to write: the same state at the same update
+    restored = trainer.build(seed=1)
+    with ts.CheckpointManager(tmp_path / "new", progress=True) as ckpt:
+        ckpt.restore(restored, in_place=in_place)
+    trainer.assert_same(trainer.full_state(restored), trainer.full_state(state))
+    store = LocalStore(tmp_path / "new", create=False)
+    total = _tensor_and_state_bytes(store, info.name)
+    assert [c[0] for c in closed] == [f"save {info.name}", f"restore {info.name}"], closed
+    assert closed[0][1] == total and closed[1] == (f"restore {info.name}", total, total), closed
+    out, err = capfd.readouterr()
+    assert out == "" and "B/s" in err and f"save {info.name}" in err, err[-500:]
+
+
+def test_manager_progress_restarts_on_a_fallback_and_is_off_by_default(run, tmp_path, monkeypatch, capfd):
+    from test_cli import flip_tensor_data
+    flip_tensor_data(run / G2)
+    closed = _recorded_bars(monkeypatch)
+    state = trainer.build(seed=1)
+    with ts.CheckpointManager(run, progress=True) as ckpt:
+        info = ckpt.restore(state)
+    assert info.generation.name == G1 and [r.generation for r in info.rejected] == [G2]
+    total = _tensor_and_state_bytes(LocalStore(run, create=False), G1)
+    assert closed == [(f"restore {G1}", total, total)], closed
+    capfd.readouterr()
+    with ts.CheckpointManager(run) as ckpt:  # the default: no bar, nothing counted, nothing on stderr
+        ckpt.restore(trainer.build(seed=1))
+        trainer.step(state)
+        ckpt.save(state)
+    assert len(closed) == 1
+    out, err = capfd.readouterr()
+    assert out == "" and "B/s" not in err

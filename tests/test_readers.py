@@ -52,22 +52,25 @@ def test_in_place_restore_never_writes_into_read_only_memory(tmp_path):
 def test_the_in_place_pass_reads_the_files_the_first_pass_verified(tmp_path, monkeypatch):
     """Before: a prune between the passes made the second pass fail with StateMismatch after changing live tensors."""
     state = build()
-    with ts.CheckpointManager(tmp_path) as ckpt:
+    with ts.CheckpointManager(tmp_path, digest="blake3") as ckpt:  # two passes: format 2's whole-file digest
         step(state)
         ckpt.save(state)
     expected = full_state(state)
     real = restore_mod.load_in_place
+    calls = []
 
-    def pruned_between_passes(store, live, verified):
+    def pruned_between_passes(store, live, verified, *more):
+        calls.append(verified.manifest.generation)
         os.rename(tmp_path / verified.manifest.generation, tmp_path / "elsewhere")
         import shutil
         shutil.rmtree(tmp_path / "elsewhere")  # as a concurrent prune does: the directory is gone
-        return real(store, live, verified)
+        return real(store, live, verified, *more)
 
     monkeypatch.setattr(restore_mod, "load_in_place", pruned_between_passes)
     live = build(seed=5)
     with ts.CheckpointManager(tmp_path) as ckpt:
         ckpt.restore(live, in_place=True)
+    assert calls, "the second pass never ran: the test exercised nothing"
     assert_same(full_state(live), expected)
 
 

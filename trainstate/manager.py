@@ -87,7 +87,9 @@ class CheckpointManager:
     saves local and uploads each generation in the background (its own
     ``mirror_options``, ``mirror_retention``; ``close`` waits up to
     ``mirror_timeout_s`` for uploads), and ``restore`` takes the remote copy
-    when the local directory is empty or behind.
+    when the local directory is empty or behind. ``progress=True`` shows a
+    byte bar on stderr (tqdm) while a save writes and a restore loads
+    (``None``: only when stderr is a terminal; off by default).
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
@@ -97,7 +99,7 @@ class CheckpointManager:
                  process_group: Any = None, collective_timeout_s: float = 600.0,
                  storage_options: dict[str, Any] | None = None, mirror: str | None = None,
                  mirror_options: dict[str, Any] | None = None, mirror_retention: Retention | None = None,
-                 mirror_timeout_s: float = 600.0):
+                 mirror_timeout_s: float = 600.0, progress: bool | None = False):
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise InvalidArgument(f"keep_last must be a positive int, got {keep_last!r}")
         if retention is not None and keep_last is not None:
@@ -118,6 +120,7 @@ class CheckpointManager:
         self._publisher = publish.Publisher(self.store, self.lifecycle, self.retention, key=self.key,
                                             verify_mode=verify, rehearse_factory=rehearse, preflight=preflight,
                                             headroom=headroom)
+        self._publisher.progress = self.progress = progress  # byte bars on stderr (None: when it is a tty)
         self.last_rejections: tuple[Rejection, ...] = ()
         self._clock = Clock()
         self._compute = Compute()  # device kinds and wall time summed over the lineage (lifecycle.compute)
@@ -392,7 +395,7 @@ class CheckpointManager:
             else:
                 info, self.last_rejections = restore_mod.restore(
                     self.store, state, key=self.key, generation=generation, allow_changes=allow_changes,
-                    statistical_cuda=rng_statistical_cuda, in_place=in_place)
+                    statistical_cuda=rng_statistical_cuda, in_place=in_place, progress=self.progress)
         except NoValidGeneration as exc:
             self.last_rejections = tuple(exc.rejections)
             raise

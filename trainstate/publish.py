@@ -41,7 +41,7 @@ from .format.signing import SigningKey
 from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, rehearse
 from .lifecycle.retention import Retention
-from . import revisions
+from . import progress, revisions
 from .records import GenerationInfo
 from .state import contract as contract_mod
 from .state import snapshot
@@ -164,6 +164,7 @@ class Publisher:
         self.published: str | None = None  # the last generation whose pointer move completed
         self.renamed: dict[str, str] = {}  # prepared name -> the generation it was published as, or found in
         self.after_publish: Callable[[str], None] | None = None  # told each published name (a mirror's uploader)
+        self.progress: bool | None = False  # a byte bar on stderr while the tensors are written (None: on a tty)
 
     def publish(self, p: Pending) -> GenerationInfo:
         """Publish ``p``: durable, verified and named by its pointer when this returns.
@@ -359,10 +360,11 @@ class Publisher:
     def stage_and_commit(self, p: Pending) -> bytes:
         """Write every file into a staging area, the manifest last, then commit; returns the manifest's bytes."""
         staging = self.store.begin(p.name)
+        meter = progress.optional(p.estimated_bytes, f"save {p.name}", self.progress)
         try:
             layout = tensorfile.plan(p.tensors)
-            files = [staging.write(STATE, [snapshot.state_json(p.skeleton)]),
-                     staging.write(TENSORS, tensorfile.chunks(layout, p.tensors),
+            files = [staging.write(STATE, progress.counted([snapshot.state_json(p.skeleton)], meter)),
+                     staging.write(TENSORS, progress.counted(tensorfile.chunks(layout, p.tensors), meter),
                                    stable=all(t.device.type == "cpu" for t in p.tensors.values()))]
             manifest = Manifest(
                 generation=p.name, kind=p.kind, next_update=p.next_update,
@@ -376,6 +378,9 @@ class Publisher:
         except BaseException:
             staging.abort()
             raise
+        finally:
+            if meter is not None:
+                meter.close()
         return manifest_bytes
 
     # 7. rehearsal ---------------------------------------------------------------

@@ -37,17 +37,18 @@ from typing import Any
 from .errors import (CorruptGeneration, NoValidGeneration, PointerRollback, Rejection, StateMismatch,
                      StateUnusable, WeightsOnlyGeneration)
 from .format.digest import CHUNKED
-from .format.manifest import (POINTER, RUN, Manifest, Pointer, generation_order, parse_generation_name, parse_pointer,
+from .format.manifest import (POINTER, RUN, STATE, Manifest, Pointer, generation_order, parse_generation_name, parse_pointer,
                               parse_run)
 from .format.signing import SigningKey
 from .lifecycle.generations import new_timeline
+from .progress import Bar, optional
 from .records import GenerationInfo, RestoreInfo
 from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store
 from .storage.chunked import Progress
-from .storage.verify import Verified, decode_verified, preview_headers, verify_generation
+from .storage.verify import Verified, decode_verified, preview_headers, tensor_files, verify_generation
 
 log = logging.getLogger("trainstate")
 IN_PLACE_BYTES = 256 << 20  # restore(in_place=None) loads in place above this much tensor data
@@ -71,27 +72,32 @@ def refuse_unusable(state: TrainState) -> None:
 
 
 def restore(store: Store, state: TrainState, *, key: SigningKey | None, generation: str | None = None,
-            allow_changes: Iterable[str] = (), statistical_cuda: bool = False, in_place: bool | None = None
-            ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+            allow_changes: Iterable[str] = (), statistical_cuda: bool = False, in_place: bool | None = None,
+            progress: bool | None = False) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     """Continue ``state`` from the chosen generation; returns the report and every rejection on the way.
 
-    See :meth:`trainstate.CheckpointManager.restore` for the semantics.
+    See :meth:`trainstate.CheckpointManager.restore` for the semantics; ``progress``: a byte bar on stderr
+    for the loading pass (``None``: when stderr is a terminal).
     """
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     held = HeldFiles(store)  # the second, in-place pass reads the very files the first pass verified
+    meter = optional(None, "restore", progress, deferred=True)  # drawn once a generation is chosen
     try:
         return _restore(held, state, key=key, generation=generation, allow=allow,
-                        statistical_cuda=statistical_cuda, in_place=in_place)
+                        statistical_cuda=statistical_cuda, in_place=in_place, meter=meter)
     finally:
         held.close()
+        if meter is not None:
+            meter.close()
 
 
 def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generation: str | None, allow: list[str],
-             statistical_cuda: bool, in_place: bool | None) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+             statistical_cuda: bool, in_place: bool | None, meter: Bar | None = None
+             ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     failed: list[Rejection] = []  # generations whose one-pass load found damage after the choice
     while True:
         try:
-            chosen, rejected, interrupted = choose(store, key, generation, preview=in_place, skip=failed)
+            chosen, rejected, interrupted = choose(store, key, generation, preview=in_place, skip=failed, meter=meter)
         except NoValidGeneration as exc:
             if not failed:
                 raise
@@ -109,9 +115,10 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
             checked = snapshot.check_before_load(state, payload, statistical_cuda=statistical_cuda)
         if mode == "stream":
             progress = Progress()
+            on_bytes = _metered(meter, verified.manifest, "restore")
             try:
                 payload = decode_verified(store, verified.manifest, into=snapshot.destinations(state),
-                                          progress=progress)
+                                          progress=progress, on_bytes=on_bytes)
             except CorruptGeneration as exc:
                 failed.append(Rejection(name, str(exc)))
                 if progress.live_changed:
@@ -124,7 +131,7 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
                     raise NoValidGeneration(store.location, failed, unusable=unusable(state)) from None
                 continue
         elif mode == "preview":
-            payload = load_in_place(store, state, verified)
+            payload = load_in_place(store, state, verified, _metered(meter, verified.manifest, "load"))
         break
     warnings = snapshot.apply(state, payload, statistical_cuda=statistical_cuda, checked=checked)
     _UNUSABLE.pop(state, None)  # every component loaded completely from one verified generation
@@ -144,7 +151,8 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
 
 
 def choose(store: Store, key: SigningKey | None, generation: str | None, preview: bool | None = False,
-           skip: list[Rejection] = ()) -> tuple[Chosen | None, tuple[Rejection, ...], tuple[str, ...]]:
+           skip: list[Rejection] = (), meter: Bar | None = None
+           ) -> tuple[Chosen | None, tuple[Rejection, ...], tuple[str, ...]]:
     """The generation to restore, verified and decoded, the rejections on the way to it, and the
     interrupted saves passed over (see :func:`candidates`).
 
@@ -153,7 +161,7 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
     A generation that disappears while it is read (pruned by a live writer)
     is not damage: the choice starts again from the pointer, a bounded
     number of times. ``skip``: generations this restore already rejected
-    (damage found while loading them), passed over.
+    (damage found while loading them), passed over. ``meter``: counts the bytes each read decodes.
     """
     skipped = {r.generation for r in skip}
     if generation is not None:
@@ -162,7 +170,7 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
             raise WeightsOnlyGeneration(
                 f"{generation} holds weights only: restoring it is a warm start, not a resume. "
                 "Use warm_start() to load its weights, or restore a full generation.")
-        return load(store, key, generation, None, preview, run=expected_run(store, key)), (), ()
+        return load(store, key, generation, None, preview, run=expected_run(store, key), meter=meter), (), ()
     for _ in range(VANISHED_RETRIES):
         order = candidates(store, key)
         rejected = list(order.rejected)
@@ -172,7 +180,7 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
                 continue
             try:
                 chosen = load(store, key, name, order.pointer if name == order.pointer_generation else None, preview,
-                              run=order.run)
+                              run=order.run, meter=meter)
             except CorruptGeneration as exc:
                 if name in order.listed and name not in store.generations():
                     vanished = True  # pruned under us by a live writer: not damage, start over
@@ -344,7 +352,7 @@ def check_run(manifest: Manifest, run: str | None) -> None:
 
 
 def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | None, preview: bool | None,
-         run: str | None = None) -> Chosen:
+         run: str | None = None, meter: Bar | None = None) -> Chosen:
     """Verify a generation completely while decoding it; any defect is a CorruptGeneration.
 
     The payload and how it loads: ``"stream"`` for a ``blake3-chunked``
@@ -367,13 +375,24 @@ def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | Non
     if preview is None:  # a second pass over an object store would download everything again
         preview = (not getattr(store, "remote", False)
                    and sum(f.size for f in manifest.files if f.name.endswith(".safetensors")) > IN_PLACE_BYTES)
-    return verified, decode_verified(store, manifest, preview=preview), "preview" if preview else "fresh"
+    on_bytes = _metered(meter, manifest, "verify" if preview else "restore")
+    return verified, decode_verified(store, manifest, preview=preview, on_bytes=on_bytes), \
+        "preview" if preview else "fresh"
 
 
-def load_in_place(store: Store, state: TrainState, verified: Verified) -> dict[str, Any]:
+def _metered(meter: Bar | None, manifest: Manifest, verb: str) -> Any:
+    """``meter`` counting from zero towards the bytes one decoding pass of ``manifest`` reads, or None."""
+    if meter is None:
+        return None
+    meter.restart(sum(f.size for f in manifest.files if f.name == STATE or f.name in tensor_files(manifest)),
+                  f"{verb} {manifest.generation}")
+    return meter.update
+
+
+def load_in_place(store: Store, state: TrainState, verified: Verified, on_bytes: Any = None) -> dict[str, Any]:
     """Second pass of an in-place restore: everything already verified and checked against the live objects."""
     try:
-        return decode_verified(store, verified.manifest, into=snapshot.destinations(state))
+        return decode_verified(store, verified.manifest, into=snapshot.destinations(state), on_bytes=on_bytes)
     except CorruptGeneration as exc:
         raise StateMismatch(
             f"{verified.manifest.generation} changed on disk between its verification and the in-place load "
