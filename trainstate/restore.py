@@ -405,12 +405,14 @@ class HeldFiles:
 
     Published generations are immutable and only ever removed, so a file
     held open reads the same bytes even after a concurrent prune unlinks it:
-    the in-place pass then loads exactly what the verifying pass checked.
+    the in-place pass then loads exactly what the verifying pass checked,
+    and a header verified by the first pass is not read again by the second.
     """
 
     def __init__(self, store: Store):
         self._store = store
         self._held: dict[tuple[str, str], Any] = {}
+        self.layouts: dict[tuple[str, str, str], Any] = {}  # tensor-file headers verified once, for this restore
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

@@ -102,31 +102,56 @@ def _check(record: FileRecord, index: int, data: memoryview | np.ndarray, where:
                                        "changed)")
 
 
-def verified_range(stream: BinaryIO, record: FileRecord, begin: int, end: int, where: str, algorithm: str) -> bytes:
-    """Bytes ``[begin, end)`` of a file, read from whole chunks that each verified."""
+def verified_range(stream: BinaryIO, record: FileRecord, begin: int, end: int, where: str, algorithm: str,
+                   seen: dict[int, bytes] | None = None) -> bytes:
+    """Bytes ``[begin, end)`` of a file, read from whole chunks that each verified.
+
+    ``seen``: chunks this reader already verified (by index), reused rather
+    than read and digested again; the chunks read here are added to it.
+    """
     first, last = begin // CHUNK_BYTES, max(begin, end - 1) // CHUNK_BYTES
     lo = first * CHUNK_BYTES
-    stream.seek(lo)
+    seen = {} if seen is None else seen
     parts = []
     for index in range(first, min(last, len(record.chunks) - 1) + 1):
-        c_lo, c_hi = _chunk_span(record, index)
-        buf = bytearray(c_hi - c_lo)
-        _read_full(stream, memoryview(buf), where)
-        _check(record, index, memoryview(buf), where, algorithm)
-        parts.append(buf)
-    data = b"".join(parts)
-    return data[begin - lo : end - lo]
+        if index not in seen:
+            c_lo, c_hi = _chunk_span(record, index)
+            buf = bytearray(c_hi - c_lo)
+            stream.seek(c_lo)
+            _read_full(stream, memoryview(buf), where)
+            _check(record, index, memoryview(buf), where, algorithm)
+            seen[index] = bytes(buf) if c_hi - c_lo < 4096 else buf
+        parts.append(seen[index])
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    return bytes(data[begin - lo : end - lo])
 
 
-def verified_header(stream: BinaryIO, record: FileRecord, where: str, algorithm: str) -> tensorfile.Layout:
+def verified_header(stream: BinaryIO, record: FileRecord, where: str, algorithm: str,
+                    seen: dict[int, bytes] | None = None) -> tensorfile.Layout:
     """Parse a tensor file's header from verified chunks (a bit flip in a shape is damage, not a mismatch)."""
     if record.size < 8:
         raise CorruptGeneration(where, f"{record.size} bytes is too short for a safetensors file")
-    (length,) = struct.unpack("<Q", verified_range(stream, record, 0, 8, where, algorithm))
+    seen = {} if seen is None else seen
+    (length,) = struct.unpack("<Q", verified_range(stream, record, 0, 8, where, algorithm, seen))
     if length > min(tensorfile.MAX_HEADER_BYTES, record.size - 8):
         raise CorruptGeneration(where, f"declared header length {length} exceeds the file ({record.size} bytes)")
-    header = verified_range(stream, record, 0, 8 + length, where, algorithm)
+    header = verified_range(stream, record, 0, 8 + length, where, algorithm, seen)
     return tensorfile.parse_header(io.BytesIO(header), record.size, where)
+
+
+def _held_header(store: Store, stream: BinaryIO, manifest: Manifest, name: str,
+                 seen: dict[int, bytes] | None = None) -> tensorfile.Layout:
+    """:func:`verified_header`, parsed once per restore: a store that holds its files open for one restore
+    (``restore.HeldFiles``) keeps the layouts it verified, so the load pass reuses the preview's."""
+    record, where = manifest.file(name), f"{manifest.generation}/{name}"
+    memo = getattr(store, "layouts", None)
+    key = (manifest.generation, name, record.digest)
+    if memo is not None and key in memo:
+        return memo[key]
+    layout = verified_header(stream, record, where, manifest.digest_algorithm, seen)
+    if memo is not None:
+        memo[key] = layout
+    return layout
 
 
 def header_preview(store: Store, manifest: Manifest, names: list[str], keep: set[str]
@@ -136,14 +161,15 @@ def header_preview(store: Store, manifest: Manifest, names: list[str], keep: set
     layouts = {}
     for name in names:
         record, where = manifest.file(name), f"{manifest.generation}/{name}"
+        seen: dict[int, bytes] = {}  # chunks already verified: the RNG tensors mostly share one
         with store.open(manifest.generation, name) as stream:
-            layout = layouts[name] = verified_header(stream, record, where, manifest.digest_algorithm)
+            layout = layouts[name] = _held_header(store, stream, manifest, name, seen)
             for entry in layout.entries:
                 if entry.name in tensors:
                     raise CorruptGeneration(where, f"tensor {entry.name!r:.80} appears in two files")
                 if entry.name in keep:
                     data = verified_range(stream, record, layout.data_start + entry.begin,
-                                          layout.data_start + entry.end, where, manifest.digest_algorithm)
+                                          layout.data_start + entry.end, where, manifest.digest_algorithm, seen)
                     tensors[entry.name] = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
                                            torch.empty(0, dtype=torch.uint8)).view(entry.dtype).reshape(entry.shape)
                 else:
@@ -186,7 +212,7 @@ def read_file(store: Store, manifest: Manifest, name: str, wanted: set[str], ten
     progress = progress if progress is not None else Progress()
     with store.open(manifest.generation, name) as stream:
         _advise_sequential(stream)
-        layout = verified_header(stream, record, where, manifest.digest_algorithm)
+        layout = _held_header(store, stream, manifest, name)
         targets: list[_Target] = []
         for entry in layout.entries:
             if entry.name in tensors:
