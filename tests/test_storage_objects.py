@@ -412,3 +412,43 @@ def test_an_open_multipart_upload_of_a_killed_save_is_aborted_by_the_next_save(m
         ckpt.save(state)
     assert s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
     assert store.leftovers() == []
+
+
+# multipart part size -------------------------------------------------------------------------------------
+def test_the_part_size_grows_so_that_no_file_needs_more_parts_than_the_store_allows():
+    from trainstate.storage.objects import MAX_PARTS, PART_SIZE, part_size
+
+    assert part_size(None) == part_size(0) == part_size(100 << 20) == PART_SIZE
+    for size in (PART_SIZE * MAX_PARTS, 160 << 30, 1 << 40, 5 << 40):
+        chosen = part_size(size)
+        assert chosen % (1 << 20) == 0 and -(-size // chosen) <= MAX_PARTS * 10 // 11 + 1, (size, chosen)
+    assert part_size(1 << 40) > PART_SIZE  # a 1 TiB file at 16 MiB would need 65,536 parts
+
+
+def _multipart_parts(store: ObjectStore, key: str) -> int:
+    """The number of parts the server assembled the object from (its ETag ends in -N)."""
+    import obstore
+
+    e_tag = obstore.head(store.client.store, key)["e_tag"].strip('"')
+    return int(e_tag.rsplit("-", 1)[1]) if "-" in e_tag else 1
+
+
+def test_an_upload_with_a_size_hint_stays_within_the_part_limit(moto_server, bucket, monkeypatch):
+    from trainstate.storage import objects
+
+    monkeypatch.setattr(objects, "PART_SIZE", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(objects, "MAX_PARTS", 3)
+    store = ObjectStore(_url(moto_server, bucket), storage_options=moto_server.storage_options())
+    data = np.random.default_rng(0).integers(0, 255, 24 << 20, dtype=np.uint8).tobytes()
+    blocks = [memoryview(data)[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)]
+    counts = {}
+    for hint in (len(data), None):  # None: the negative control, 5 MiB parts
+        staging = store.begin(generation_name(7 if hint else 8, "full"))
+        try:
+            record = staging.write("big.bin", iter(blocks), size_hint=hint)
+            assert record.size == len(data)
+            counts[hint] = _multipart_parts(store, staging.prefix + "big.bin")
+        finally:
+            staging.abort()
+    assert counts[len(data)] <= 3, counts
+    assert counts[None] == 5, counts  # the server does report the parts: without the hint they exceed 3

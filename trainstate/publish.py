@@ -365,7 +365,8 @@ class Publisher:
             layout = tensorfile.plan(p.tensors)
             files = [staging.write(STATE, progress.counted([snapshot.state_json(p.skeleton)], meter)),
                      staging.write(TENSORS, progress.counted(tensorfile.chunks(layout, p.tensors), meter),
-                                   stable=all(t.device.type == "cpu" for t in p.tensors.values()))]
+                                   stable=all(t.device.type == "cpu" for t in p.tensors.values()),
+                                   size_hint=layout.size)]
             manifest = Manifest(
                 generation=p.name, kind=p.kind, next_update=p.next_update,
                 digest_algorithm=self.store.digest_algorithm, files=tuple(files),

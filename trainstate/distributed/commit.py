@@ -163,8 +163,8 @@ def _stage(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any) -> 
 
 def _write_tensors(staging: Any, name: str, tensors: dict) -> FileRecord:
     layout = tensorfile.plan(tensors)
-    return staging.write(name, tensorfile.chunks(layout, tensors), stable=all(t.device.type == "cpu"
-                                                                                for t in tensors.values()))
+    return staging.write(name, tensorfile.chunks(layout, tensors), size_hint=layout.size,
+                         stable=all(t.device.type == "cpu" for t in tensors.values()))
 
 
 # 3. write (DCP) ----------------------------------------------------------------------------------------------

@@ -171,7 +171,8 @@ class Writer(StorageWriter):
             layout = tensorfile.plan(tensors)
             # stable: CPU memory nobody changes while this runs (training waits for a blocking save; a
             # background save writes from its own copy)
-            record = self.staging.write(shard_file(self.rank), tensorfile.chunks(layout, tensors), stable=True)
+            record = self.staging.write(shard_file(self.rank), tensorfile.chunks(layout, tensors), stable=True,
+                                        size_hint=layout.size)
             results[0] = WriteResult(results[0].index, results[0].size_in_bytes,
                                      {**results[0].storage_data, "record": dataclasses.astuple(record)})
         future: Future = Future()

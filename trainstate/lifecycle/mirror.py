@@ -76,7 +76,7 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
         for record in manifest.files:
             with src.open(name, record.name) as stream:
                 written = staging.write(record.name, _blocks(stream, on_bytes),
-                                        algorithm=manifest.digest_algorithm)
+                                        algorithm=manifest.digest_algorithm, size_hint=record.size)
             if (written.size, written.digest) != (record.size, record.digest):
                 raise CorruptGeneration(f"{src.location}/{name}/{record.name}",
                                         f"{manifest.digest_algorithm} digest mismatch while copying to {dst.location}")

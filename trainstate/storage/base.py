@@ -36,11 +36,15 @@ class Staging(Protocol):
     name: str  # what another process passes to ``Store.join`` to write into this staging area
 
     def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False,
-              algorithm: str | None = None) -> FileRecord:
+              algorithm: str | None = None, size_hint: int | None = None) -> FileRecord:
         """Write one file from ``chunks``; return its size and digest once durable.
 
         ``algorithm``: the digest to compute (default: the store's), e.g. a
         copied generation's own, so the copy checks against its manifest.
+
+        ``size_hint``: the bytes ``chunks`` will yield, when the caller knows;
+        an object store sizes its multipart parts from it (at most 10,000
+        parts per object). A backend with no such limit ignores it.
 
         ``stable``: the chunks' memory stays unchanged until this returns, so
         the backend may digest it after writing instead of beside the write.

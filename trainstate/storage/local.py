@@ -97,7 +97,7 @@ class LocalStaging:
                     "on one shared filesystem")
         self.name = self.path.name
     def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False,
-              algorithm: str | None = None) -> FileRecord:
+              algorithm: str | None = None, size_hint: int | None = None) -> FileRecord:
         algorithm = algorithm or self._store.digest_algorithm
         hasher = new_hasher(algorithm)
         fd = self._ops.create(self.path / file)

@@ -56,6 +56,16 @@ _ASIDE_RE = re.compile(rf"(gen-\d{{12}}(?:-weights|-r\d{{3}})?)\.(rejected|aband
 ASIDE_REASONS = ("rejected", "abandoned", "superseded")
 _RECORD = "trainstate-commit"
 PART_SIZE = 16 << 20  # multipart part size: large enough for throughput, small enough to bound memory
+MAX_PARTS = 10_000  # S3's (and its imitators') limit on the parts of one multipart upload
+
+
+def part_size(size_hint: int | None) -> int:
+    """The multipart part size for a file of about ``size_hint`` bytes: ``PART_SIZE``, or larger (in whole
+    MiB, with a tenth to spare) when the file would otherwise need more than ``MAX_PARTS`` parts."""
+    if not size_hint:
+        return PART_SIZE
+    needed = -(-size_hint * 11 // 10 // MAX_PARTS)  # ceil, 10% headroom for a hint that runs short
+    return max(PART_SIZE, -(-needed // (1 << 20)) << 20)
 
 
 def _token() -> str:
@@ -98,19 +108,20 @@ class ObjectStaging:
         self.prefix = f"attempts/{self.name}/"
 
     def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False,
-              algorithm: str | None = None) -> FileRecord:
+              algorithm: str | None = None, size_hint: int | None = None) -> FileRecord:
         """Upload one file, digesting every byte as it is handed to the client; multipart when large."""
         hasher = new_hasher(algorithm or self._store.digest_algorithm)
         size = 0
+        part = part_size(size_hint)
 
         def digested() -> Iterator[memoryview]:
             nonlocal size
-            for view in coalesce(chunks, PART_SIZE):
+            for view in coalesce(chunks, part):
                 hasher.update(view)
                 size += len(view)
                 yield view
 
-        self._store.client.put_stream(self.prefix + file, digested(), PART_SIZE)
+        self._store.client.put_stream(self.prefix + file, digested(), part)
         landed = self._store.client.head(self.prefix + file)
         if landed is None or landed != size:
             raise CorruptGeneration(f"{self.generation}/{file}", f"uploaded {size} bytes, the store holds "
