@@ -65,6 +65,15 @@ class Progress:
     chunks: int = 0
     bytes: int = 0
     files: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def chunk_done(self, n_bytes: int, on_bytes: OnBytes | None) -> None:
+        """A chunk verified and placed, told from any worker thread."""
+        with self._lock:
+            self.chunks += 1
+            self.bytes += n_bytes
+        if on_bytes is not None:
+            on_bytes(n_bytes)
 
 
 @dataclass(frozen=True)
@@ -292,11 +301,7 @@ def _mapped_chunks(fd: int, record: FileRecord, targets: list[_Target], where: s
                 with lock:
                     failures.append((index, exc))
                 return
-            with lock:
-                progress.chunks += 1
-                progress.bytes += hi - lo
-            if on_bytes is not None:
-                on_bytes(hi - lo)
+            progress.chunk_done(hi - lo, on_bytes)
 
     threads = max(1, min(workers, count))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="trainstate-chunks") as pool:
@@ -364,10 +369,7 @@ def _ring_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target], w
             error.append(exc)
             return
         _place(_overlapping(targets, lo, hi), lo, hi, buf[:n], progress)
-        progress.chunks += 1
-        progress.bytes += n
-        if on_bytes is not None:
-            on_bytes(n)
+        progress.chunk_done(n, on_bytes)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trainstate-chunks") as pool:
         try:
