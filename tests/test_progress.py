@@ -233,7 +233,7 @@ def test_manager_progress_counts_every_byte_saved_and_restored(run, tmp_path, mo
     store = LocalStore(tmp_path / "new", create=False)
     total = _tensor_and_state_bytes(store, info.name)
     assert [c[0] for c in closed] == [f"save {info.name}", f"restore {info.name}"], closed
-    assert closed[0][1] == total and closed[1] == (f"restore {info.name}", total, total), closed
+    assert closed == [(f"save {info.name}", total, total), (f"restore {info.name}", total, total)], closed
     out, err = capfd.readouterr()
     assert out == "" and "B/s" in err and f"save {info.name}" in err, err[-500:]
 

@@ -360,10 +360,12 @@ class Publisher:
     def stage_and_commit(self, p: Pending) -> bytes:
         """Write every file into a staging area, the manifest last, then commit; returns the manifest's bytes."""
         staging = self.store.begin(p.name)
-        meter = progress.optional(p.estimated_bytes, f"save {p.name}", self.progress)
+        meter = None
         try:
             layout = tensorfile.plan(p.tensors)
-            files = [staging.write(STATE, progress.counted([snapshot.state_json(p.skeleton)], meter)),
+            state_json = snapshot.state_json(p.skeleton)
+            meter = progress.optional(len(state_json) + layout.size, f"save {p.name}", self.progress)
+            files = [staging.write(STATE, progress.counted([state_json], meter)),
                      staging.write(TENSORS, progress.counted(tensorfile.chunks(layout, p.tensors), meter),
                                    stable=all(t.device.type == "cpu" for t in p.tensors.values()),
                                    size_hint=layout.size)]

@@ -37,8 +37,8 @@ from typing import Any
 from .errors import (CorruptGeneration, NoValidGeneration, PointerRollback, Rejection, StateMismatch,
                      StateUnusable, WeightsOnlyGeneration)
 from .format.digest import CHUNKED
-from .format.manifest import (POINTER, RUN, STATE, Manifest, Pointer, generation_order, parse_generation_name, parse_pointer,
-                              parse_run)
+from .format.manifest import (POINTER, RUN, STATE, Manifest, Pointer, generation_order, parse_generation_name,
+                              parse_pointer, parse_run)
 from .format.signing import SigningKey
 from .lifecycle.generations import new_timeline
 from .progress import Bar, optional
