@@ -35,7 +35,7 @@ from typing import Any
 from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, InvalidArgument, InvalidType,
                      PendingGradients)
 from .format import tensorfile
-from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, Pointer, check_name,
+from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_name,
                               generation_name, parse_pointer, parse_run, run_to_bytes)
 from .format.signing import SigningKey
 from .lifecycle.generations import Lifecycle, new_timeline
@@ -47,7 +47,7 @@ from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store
-from .storage.verify import verify_generation
+from .storage.verify import point_at, verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
@@ -213,9 +213,7 @@ class Publisher:
             raise
         if p.kind == "full" and self.rehearse_factory is not None:
             self.rehearse_new(p.name)
-        pointer = Pointer(p.name, verified.manifest_digest, verified.manifest_size,
-                          verified.manifest.digest_algorithm, p.next_update, p.kind)
-        self.store.write_pointer(POINTER if p.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(self.key))
+        point_at(self.store, verified, self.key)
         self.published = p.name  # durably: from here on the save has succeeded, whatever happens next
         self.was_published_as(p.prepared, p.name)
         return GenerationInfo.from_verified(self.store, verified)

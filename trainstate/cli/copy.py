@@ -15,7 +15,8 @@ from .. import progress
 from ..errors import CorruptGeneration, InvalidArgument
 from ..format import signing
 from ..format.manifest import POINTER, WEIGHTS_POINTER, generation_order, parse_pointer
-from ..lifecycle.mirror import copy_generation, move_pointer, same_run
+from ..lifecycle.mirror import copy_generation, same_run
+from ..storage.verify import point_at
 from ..storage.base import Store
 from ..storage.locate import open_existing, open_store
 from ..storage.verify import read_manifest, verify_generation
@@ -75,7 +76,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
                 which = POINTER if verified.manifest.kind == "full" else WEIGHTS_POINTER
                 current = _pointed(dst, which, key)
                 if current is None or generation_order(name) > generation_order(current):
-                    move_pointer(dst, verified, key)
+                    point_at(dst, verified, key)
                     moved.append(name)
     finally:
         dst.unlock()

@@ -40,13 +40,13 @@ import torch.distributed.checkpoint as dcp
 from ..errors import CheckpointFailed, CorruptGeneration, TrainStateError
 from ..format import tensorfile
 from ..format.digest import digest_stream
-from ..format.manifest import MANIFEST, POINTER, STATE, WEIGHTS_POINTER, FileRecord, Manifest, Pointer, parse_manifest
+from ..format.manifest import MANIFEST, STATE, FileRecord, Manifest, parse_manifest
 from ..publish import TENSORS, Pending, Publisher
 from ..records import GenerationInfo
 from ..state import contract as contract_mod
 from ..state.snapshot import state_json
 from ..storage import chunked
-from ..storage.verify import verify_generation
+from ..storage.verify import point_at, verify_generation
 from .capture import RankSnapshot
 from .group import Ranks, collective
 from .planner import SavePlanner
@@ -225,9 +225,7 @@ def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: P
     outcome: dict[str, Any] = {}
     if ranks.rank == 0:
         try:
-            pointer = Pointer(pending.name, verified.manifest_digest, verified.manifest_size,
-                              verified.manifest.digest_algorithm, pending.next_update, pending.kind)
-            store.write_pointer(POINTER if pending.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(key))
+            point_at(store, verified, key)
             publisher.published = pending.name
             outcome = {"info": dataclasses.asdict(GenerationInfo.from_verified(store, verified))}
         except (TrainStateError, OSError) as exc:

@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CorruptGeneration, ExistingRun, TrainStateError
-from ..format.manifest import (MANIFEST, POINTER, RUN, WEIGHTS_POINTER, Pointer, generation_order,
+from ..format.manifest import (MANIFEST, POINTER, RUN, generation_order,
                                parse_generation_name, parse_pointer, parse_run)
 from ..format.signing import SigningKey
 from ..progress import OnBytes
 from ..storage.base import Store
-from ..storage.verify import Verified, read_manifest, verify_generation
+from ..storage.verify import Verified, point_at, read_manifest, verify_generation
 from .generations import Lifecycle
 from .retention import Retention
 
@@ -95,13 +95,6 @@ def _blocks(stream: Any, on_bytes: OnBytes | None = None) -> Iterator[bytes]:
             on_bytes(len(block))
 
 
-def move_pointer(store: Store, verified: Verified, key: SigningKey | None) -> None:
-    m = verified.manifest
-    pointer = Pointer(m.generation, verified.manifest_digest, verified.manifest_size, m.digest_algorithm,
-                      m.next_update, m.kind)
-    store.write_pointer(POINTER if m.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(key))
-
-
 def same_run(src: Store, dst: Store, key: SigningKey | None) -> None:
     """Give ``dst`` the run identity of ``src`` when it has none; refuse when it holds another run."""
     ours = src.read_pointer(RUN)
@@ -146,7 +139,7 @@ def pull_newer(local: Store, remote: Store, key: SigningKey | None) -> str | Non
         except (CorruptGeneration, FileNotFoundError) as exc:
             log.warning("remote %s/%s does not verify (%s); trying an older one", remote.location, name, exc)
             continue
-        move_pointer(local, verified, key)
+        point_at(local, verified, key)
         log.info("copied %s from %s to %s for the restore", name, remote.location, local.location)
         return name
     return None
@@ -297,10 +290,10 @@ class Mirror:
         if verified.manifest.kind == "full":
             current = self._remote
             if current is None or verified.manifest.next_update >= current[1]:
-                move_pointer(self.remote, verified, self.key)
+                point_at(self.remote, verified, self.key)
                 self._remote = (name, verified.manifest.next_update)
         else:
-            move_pointer(self.remote, verified, self.key)
+            point_at(self.remote, verified, self.key)
         try:
             anchors = {**self.remote_lifecycle.anchors(), verified.manifest.kind: name}
             self.remote_lifecycle.prune(self.retention, anchors)

@@ -20,7 +20,7 @@ from ..format import tensorfile
 from ..format.codec import decode
 from ..format.digest import CHUNKED, digest_bytes, digest_stream, new_hasher
 from ..errors import CorruptGeneration
-from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, STATE, Manifest, Pointer, check_version, load_json,
+from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer, check_version, load_json,
                                parse_manifest)
 from ..format.signing import SigningKey
 from ..progress import OnBytes
@@ -37,6 +37,15 @@ class Verified:
     manifest_digest: str
     manifest_size: int
 
+
+
+def point_at(store: Store, verified: Verified, key: SigningKey | None) -> None:
+    """Replace ``latest`` (or ``latest-weights``) with a pointer to a generation that just verified: its name,
+    manifest digest and size, digest algorithm, update and kind, all taken from what verified."""
+    m = verified.manifest
+    pointer = Pointer(m.generation, verified.manifest_digest, verified.manifest_size, m.digest_algorithm,
+                      m.next_update, m.kind)
+    store.write_pointer(POINTER if m.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(key))
 
 def _read_limited(store: Store, generation: str, file: str, limit: int) -> bytes:
     try:
