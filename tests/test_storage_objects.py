@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -452,3 +453,44 @@ def test_an_upload_with_a_size_hint_stays_within_the_part_limit(moto_server, buc
             staging.abort()
     assert counts[len(data)] <= 3, counts
     assert counts[None] == 5, counts  # the server does report the parts: without the hint they exceed 3
+
+
+# commit records remembered under the lease ---------------------------------------------------------------
+def _commit_reads(store: ObjectStore, generation: str) -> Callable[[], int]:
+    """A counter of the GETs of ``generation``'s commit record made through ``store``'s client from now on."""
+    seen = [0]
+    original = store.client.get_small
+
+    def counting(key: str):
+        seen[0] += key == f"commits/{generation}"
+        return original(key)
+    store.client.get_small = counting
+    return lambda: seen[0]
+
+
+def test_the_writer_reads_each_commit_record_once_and_forgets_what_it_changes(moto_server, bucket):
+    from store_conformance import publish, read
+
+    url = _url(moto_server, bucket)
+    writer = ObjectStore(url, storage_options=moto_server.storage_options())
+    reader = ObjectStore(url, storage_options=moto_server.storage_options())  # no lease: never remembers
+    name = generation_name(5, "full")
+    writer.lock()
+    try:
+        publish(writer, name, {"a.bin": b"first"})
+        writes, reads = _commit_reads(writer, name), _commit_reads(reader, name)
+        for _ in range(3):
+            assert read(writer, name, "a.bin") == read(reader, name, "a.bin") == b"first"
+        assert writes() == 1 and reads() == 3  # the control: a store without the lease asks every time
+
+        writer.remove(name)  # the same name published again: a new attempt, which both must read
+        publish(writer, name, {"a.bin": b"second"})
+        assert read(writer, name, "a.bin") == read(reader, name, "a.bin") == b"second"
+        aside = writer.set_aside(name, "rejected")
+        with pytest.raises(FileNotFoundError):
+            writer.open(name, "a.bin")
+        writer.reinstate(aside, name)
+        assert read(writer, name, "a.bin") == b"second"
+    finally:
+        writer.unlock()
+    assert writer._attempts == {}  # released: another writer may change the records from now on

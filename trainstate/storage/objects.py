@@ -165,16 +165,24 @@ class ObjectStore:
         self.lease_s = lease_s
         self._lease: _Lease | None = None
         self.uploads = OpenUploads(url, storage_options)
+        # generation -> attempt, as read from its commit (or aside) record, kept only while this store holds the
+        # writer lease: then nobody else creates or deletes records, and this store forgets what it changes
+        self._attempts: dict[str, str] = {}
 
     # reading -----------------------------------------------------------------
     def generations(self) -> list[str]:
         return newest_first(self.client.names("commits/"))
 
     def _attempt_or_none(self, generation: str) -> str | None:
+        if self._lease is not None and generation in self._attempts:
+            return self._attempts[generation]
         data = self.client.get_small(f"commits/{generation}")
         if data is None and _ASIDE_RE.fullmatch(generation):  # a set-aside generation: kept as evidence
             data = self.client.get_small(f"aside/{generation}")
-        return None if data is None else _parse_record(data, f"{self.location}/commits/{generation}")
+        attempt = None if data is None else _parse_record(data, f"{self.location}/commits/{generation}")
+        if attempt is not None and self._lease is not None:
+            self._attempts[generation] = attempt
+        return attempt
 
     def _attempt(self, generation: str) -> str:
         attempt = self._attempt_or_none(generation)
@@ -261,6 +269,7 @@ class ObjectStore:
         """The commit record first (the generation is gone at once), then its objects."""
         attempt = self._attempt_or_none(generation)
         folder = "aside" if _ASIDE_RE.fullmatch(generation) else "commits"
+        self._attempts.pop(generation, None)
         self.client.delete(f"{folder}/{generation}")
         if attempt is not None:
             self._delete_attempt(attempt)
@@ -277,6 +286,7 @@ class ObjectStore:
         aside = f"{generation}.{reason}-{_token()}"
         attempt = self._attempt(generation)
         self.client.put(f"aside/{aside}", _record(aside, attempt), create=True)
+        self._attempts.pop(generation, None)
         self.client.delete(f"commits/{generation}")
         return aside
 
@@ -291,6 +301,7 @@ class ObjectStore:
             if self._attempt_or_none(generation) != attempt:
                 raise GenerationExists(f"cannot put {aside} back: {self.location}/commits/{generation} exists") \
                     from None
+        self._attempts.pop(aside, None)
         self.client.delete(f"aside/{aside}")
 
     def defer_removals(self) -> None:
@@ -311,12 +322,14 @@ class ObjectStore:
         if self._lease is not None:
             self._lease.check()
             return
+        self._attempts.clear()  # records may have changed while another writer held the run
         self._lease = _Lease(self.client, "lock", self.lease_s, self.location, renew=True)
 
     def unlock(self) -> None:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+        self._attempts.clear()
 
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:
