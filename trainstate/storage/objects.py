@@ -30,6 +30,7 @@ retry never commits twice and never reports a lost race that was won.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -42,7 +43,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, RunDirectoryGone
 from ..format.digest import new_hasher
-from ..format.manifest import POINTER, WEIGHTS_POINTER, FileRecord, newest_first
+from ..format.manifest import MANIFEST, MAX_JSON_BYTES, POINTER, WEIGHTS_POINTER, FileRecord, newest_first
 from .objectclient import Client, Missing, Precondition, Taken
 from .multipart import OpenUploads
 from .posix import coalesce
@@ -168,6 +169,7 @@ class ObjectStore:
         # generation -> attempt, as read from its commit (or aside) record, kept only while this store holds the
         # writer lease: then nobody else creates or deletes records, and this store forgets what it changes
         self._attempts: dict[str, str] = {}
+        self._manifests: dict[str, bytes] = {}  # attempt -> its manifest: never rewritten once an attempt committed
 
     # reading -----------------------------------------------------------------
     def generations(self) -> list[str]:
@@ -195,7 +197,19 @@ class ObjectStore:
         return {path[len(prefix):]: size for path, size in self.client.listing(prefix).items()}
 
     def open(self, generation: str, file: str) -> BinaryIO:
-        return self.client.reader(f"attempts/{self._attempt(generation)}/{file}")
+        attempt = self._attempt(generation)
+        if file != MANIFEST or self._lease is None:
+            return self.client.reader(f"attempts/{attempt}/{file}")
+        data = self._manifests.get(attempt)  # every save and restore reads a few manifests several times
+        if data is None:
+            from .verify import read_bounded  # storage.verify imports torch; only a writer gets here
+
+            with self.client.reader(f"attempts/{attempt}/{file}") as stream:
+                data = read_bounded(stream, MAX_JSON_BYTES)  # a larger one is refused by the reader all the same
+            if len(self._manifests) >= 4096:
+                self._manifests.pop(next(iter(self._manifests)))
+            self._manifests[attempt] = data
+        return io.BytesIO(data)
 
     def read_pointer(self, name: str) -> bytes | None:
         data = self.client.get_small(name)
@@ -275,6 +289,7 @@ class ObjectStore:
             self._delete_attempt(attempt)
 
     def _delete_attempt(self, attempt: str) -> None:
+        self._manifests.pop(attempt, None)
         for key, upload_id in self.uploads.listed(f"attempts/{attempt}/"):
             self.uploads.abort(key, upload_id)
         self.client.delete_prefix(f"attempts/{attempt}/")
@@ -323,6 +338,7 @@ class ObjectStore:
             self._lease.check()
             return
         self._attempts.clear()  # records may have changed while another writer held the run
+        self._manifests.clear()
         self._lease = _Lease(self.client, "lock", self.lease_s, self.location, renew=True)
 
     def unlock(self) -> None:
@@ -330,6 +346,7 @@ class ObjectStore:
             self._lease.release()
             self._lease = None
         self._attempts.clear()
+        self._manifests.clear()
 
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:

@@ -47,6 +47,7 @@ def point_at(store: Store, verified: Verified, key: SigningKey | None) -> None:
                       m.next_update, m.kind)
     store.write_pointer(POINTER if m.kind == "full" else WEIGHTS_POINTER, pointer.to_bytes(key))
 
+
 def _read_limited(store: Store, generation: str, file: str, limit: int) -> bytes:
     try:
         with store.open(generation, file) as stream:
