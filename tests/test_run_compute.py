@@ -90,6 +90,15 @@ def _state() -> ts.TrainState:
     return ts.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def _first_save_then_train(ckpt: ts.CheckpointManager, state: ts.TrainState) -> ts.GenerationInfo:
+    """A fresh run's first save at update 1, then 0.2 s of training time; returns the first generation."""
+    ckpt.restore(state)
+    state.next_update = 1
+    first = ckpt.save(state)
+    time.sleep(0.2)  # training time
+    return first
+
+
 def test_the_stall_inside_a_blocking_save_is_not_training_time(tmp_path):
     def slow_rehearsal():  # runs inside save(), before its pointer moves: part of the stall
         time.sleep(1.5)
@@ -97,10 +106,7 @@ def test_the_stall_inside_a_blocking_save_is_not_training_time(tmp_path):
 
     state = _state()
     with ts.CheckpointManager(tmp_path / "run", rehearse=slow_rehearsal) as ckpt:
-        ckpt.restore(state)
-        state.next_update = 1
-        first = ckpt.save(state)
-        time.sleep(0.2)  # training time
+        first = _first_save_then_train(ckpt, state)
         state.next_update = 2
         second = ckpt.save(state)
     assert 0.2 <= second.wall_s - first.wall_s < 0.2 + 1.0  # counting the 1.5 s stall would exceed this
@@ -185,10 +191,7 @@ def test_after_a_failed_save_the_lineage_continues_from_the_published_parent(tmp
 
     state = _state()
     with ts.CheckpointManager(tmp_path / "run", rehearse=rehearsal) as ckpt:
-        ckpt.restore(state)
-        state.next_update = 1
-        first = ckpt.save(state)
-        time.sleep(0.2)  # training, kept: the state rolls back to descend from `first`
+        first = _first_save_then_train(ckpt, state)  # kept: the state rolls back to descend from `first`
         state.next_update, fail[:] = 2, [True]
         try:
             ckpt.save(state)

@@ -36,7 +36,7 @@ from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, Inv
                      PendingGradients)
 from .format import tensorfile
 from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_name,
-                              generation_name, parse_pointer, parse_run, run_to_bytes)
+                              generation_name, parse_run, run_to_bytes)
 from .format.signing import SigningKey
 from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, rehearse
@@ -47,7 +47,7 @@ from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store
-from .storage.verify import point_at, verify_generation
+from .storage.verify import point_at, read_pointed, verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
@@ -327,11 +327,8 @@ class Publisher:
 
     def committed_name(self, kind: str) -> str | None:
         """The generation the pointer of ``kind`` names (unverified), if the pointer parses."""
-        try:
-            data = self.store.read_pointer(POINTER if kind == "full" else WEIGHTS_POINTER)
-            return None if data is None else parse_pointer(data, POINTER, self.key).generation
-        except CorruptGeneration:
-            return None
+        pointer = read_pointed(self.store, POINTER if kind == "full" else WEIGHTS_POINTER, self.key)
+        return None if pointer is None else pointer.generation
 
     # 4. preflight ---------------------------------------------------------------
     def check_space(self, name: str, live_bytes: int) -> None:

@@ -12,14 +12,13 @@ import json
 from typing import Any
 
 from .. import progress
-from ..errors import CorruptGeneration, InvalidArgument
+from ..errors import InvalidArgument
 from ..format import signing
-from ..format.manifest import POINTER, WEIGHTS_POINTER, generation_order, parse_pointer
+from ..format.manifest import POINTER, WEIGHTS_POINTER, generation_order
 from ..lifecycle.mirror import copy_generation, same_run
-from ..storage.verify import point_at
 from ..storage.base import Store
 from ..storage.locate import open_existing, open_store
-from ..storage.verify import read_manifest, verify_generation
+from ..storage.verify import point_at, read_manifest, read_pointed, verify_generation
 
 
 def add_parser(sub: Any) -> None:
@@ -37,13 +36,8 @@ def add_parser(sub: Any) -> None:
 
 def _pointed(store: Store, pointer_file: str, key: Any) -> str | None:
     """The generation a pointer names, or None when absent or unreadable."""
-    data = store.read_pointer(pointer_file)
-    if data is None:
-        return None
-    try:
-        return parse_pointer(data, f"{store.location}/{pointer_file}", key).generation
-    except CorruptGeneration:
-        return None
+    pointer = read_pointed(store, pointer_file, key)
+    return None if pointer is None else pointer.generation
 
 
 def cmd_copy(args: argparse.Namespace) -> int:

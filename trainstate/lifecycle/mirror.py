@@ -32,11 +32,11 @@ from typing import Any
 
 from ..errors import CorruptGeneration, ExistingRun, TrainStateError
 from ..format.manifest import (MANIFEST, POINTER, RUN, generation_order,
-                               parse_generation_name, parse_pointer, parse_run)
+                               parse_generation_name, parse_run)
 from ..format.signing import SigningKey
 from ..progress import OnBytes
 from ..storage.base import Store
-from ..storage.verify import Verified, point_at, read_manifest, verify_generation
+from ..storage.verify import Verified, point_at, read_manifest, read_pointed, verify_generation
 from .generations import Lifecycle
 from .retention import Retention
 
@@ -109,14 +109,8 @@ def same_run(src: Store, dst: Store, key: SigningKey | None) -> None:
 
 
 def pointer_update(store: Store, key: SigningKey | None) -> tuple[str, int] | None:
-    data = store.read_pointer(POINTER)
-    if data is None:
-        return None
-    try:
-        p = parse_pointer(data, f"{store.location}/{POINTER}", key)
-    except CorruptGeneration:
-        return None
-    return p.generation, p.next_update
+    p = read_pointed(store, POINTER, key)
+    return None if p is None else (p.generation, p.next_update)
 
 
 def pull_newer(local: Store, remote: Store, key: SigningKey | None) -> str | None:

@@ -20,8 +20,8 @@ from ..format import tensorfile
 from ..format.codec import decode
 from ..format.digest import CHUNKED, digest_bytes, digest_stream, new_hasher
 from ..errors import CorruptGeneration
-from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer, check_version, load_json,
-                               parse_manifest)
+from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer,
+                               check_version, load_json, parse_manifest, parse_pointer)
 from ..format.signing import SigningKey
 from ..progress import OnBytes
 from . import chunked
@@ -37,6 +37,17 @@ class Verified:
     manifest_digest: str
     manifest_size: int
 
+
+
+def read_pointed(store: Store, pointer_file: str, key: SigningKey | None) -> Pointer | None:
+    """The pointer ``pointer_file`` holds, parsed but not verified; None when it is absent or unreadable."""
+    data = store.read_pointer(pointer_file)
+    if data is None:
+        return None
+    try:
+        return parse_pointer(data, f"{store.location}/{pointer_file}", key)
+    except CorruptGeneration:
+        return None
 
 
 def point_at(store: Store, verified: Verified, key: SigningKey | None) -> None:
