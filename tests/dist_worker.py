@@ -352,21 +352,54 @@ def replica_divergence(out: Path) -> dict:
     return {"outcome": outcome, "latest": latest, "leftovers": _leftovers(out / "run")}
 
 
+def _same_update_changes(state: ts.TrainState) -> dict:
+    """Issue 29 item 1: changes a script makes without advancing next_update, one kind at a time."""
+    model, opt = state["model"], state["optimizer"]
+    first_param = next(model.parameters())
+
+    def weights():
+        with torch.no_grad():
+            first_param.add_(1.0)  # FSDP2: a DTensor, every rank's local shard changes
+
+    def moment():
+        opt.state[first_param]["exp_avg"].mul_(2.0)
+
+    def rng_rank1():
+        if dist.get_rank() == 1:  # only rank 1's own file differs: rank 0's state.json cannot show it
+            torch.randn(3, generator=state.rngs["noise"])
+
+    def buffer_free_position():
+        if dist.get_rank() == 1:
+            state["data"].cursor += 1  # rank 1's loader position alone
+
+    return {"weights": weights, "moment": moment, "rng on rank 1": rng_rank1, "position on rank 1": buffer_free_position}
+
+
 @scenario
 def existing_generation(out: Path) -> dict:
     state = build("fsdp")
+    names = {}
     with manager(out / "run") as ckpt:
         train(state, 2)
         first = ckpt.save(state)
         again = ckpt.save(state)  # the same state at the same update: a no-op
+        for kind, change in _same_update_changes(state).items():
+            change()
+            names[kind] = ckpt.save(state).name
+        names["same again"] = ckpt.save(state).name
+        want_full, want_rank = full_state(state), rank_state(state)
         state["optimizer"].param_groups[0]["lr"] = 0.5  # changed without advancing next_update: a revision
         try:
             outcome = f"saved {ckpt.save(state).name}"
         except ts.TrainStateError as exc:
             outcome = type(exc).__name__
         latest = ckpt.latest()
+    fresh = build("fsdp", seed=6)
+    with manager(out / "run") as ckpt:
+        ckpt.restore(fresh, generation=names["same again"])
     dist.barrier()
-    return {"noop_same": again == first, "outcome": outcome, "latest": latest,
+    return {"noop_same": again == first, "outcome": outcome, "latest": latest, "names": names,
+            "full_differs": same(full_state(fresh), want_full), "rank_differs": same(rank_state(fresh), want_rank),
             "leftovers": _leftovers(out / "run")}
 
 

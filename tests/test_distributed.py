@@ -107,9 +107,21 @@ def test_a_changed_state_at_an_existing_update_is_a_revision_on_every_rank(runs)
     """Issue 22 item 5: refused before (GenerationExists on rank 0, CheckpointFailed on rank 1); now every
     rank publishes the same superseding revision."""
     outcomes = [r["outcome"] for r in runs["two"].ok("existing_generation")]
-    assert outcomes == ["saved gen-000000000002-r001"] * 2, outcomes
+    assert outcomes == ["saved gen-000000000002-r005"] * 2, outcomes
     for result in runs["two"].ok("existing_generation"):
-        assert result["noop_same"] and result["leftovers"] == [] and result["latest"] == "gen-000000000002-r001"
+        assert result["noop_same"] and result["leftovers"] == [] and result["latest"] == "gen-000000000002-r005"
+
+
+def test_a_change_of_tensors_only_at_the_same_update_is_never_dropped_on_any_rank(runs):
+    """Issue 29 item 1 across ranks: weights, an optimizer moment, one rank's RNG or loader position changed
+    at the same update each become a revision (rank 0 compares every rank's staged digests before the commit);
+    the same bytes again write nothing; a fresh restore of the last one is bitwise."""
+    for result in runs["two"].ok("existing_generation"):
+        assert result["names"] == {"weights": "gen-000000000002-r001", "moment": "gen-000000000002-r002",
+                                   "rng on rank 1": "gen-000000000002-r003",
+                                   "position on rank 1": "gen-000000000002-r004",
+                                   "same again": "gen-000000000002-r004"}, result
+        assert result["full_differs"] == [] and result["rank_differs"] == [], result
 
 
 # 4. faults --------------------------------------------------------------------------------------------------------

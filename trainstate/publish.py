@@ -35,6 +35,7 @@ from typing import Any
 from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, InvalidArgument, InvalidType,
                      PendingGradients)
 from .format import tensorfile
+from .format.digest import new_hasher
 from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_name,
                               generation_name, parse_run, run_to_bytes)
 from .format.signing import SigningKey
@@ -47,7 +48,7 @@ from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store
-from .storage.verify import point_at, read_pointed, verify_generation
+from .storage.verify import Verified, point_at, read_pointed, verify_generation
 
 log = logging.getLogger("trainstate")
 TENSORS = "tensors.safetensors"
@@ -67,6 +68,26 @@ class Pending:
 
     def __post_init__(self) -> None:
         self.prepared = self.name  # ``name`` may become a revision (gen-U-r001) when it is published
+        self.unless_same: Verified | None = None  # a generation whose bytes, if the staged ones match, make
+        # this save a no-op (decided before the commit; see trainstate.revisions)
+
+    def changed_bytes(self, manifest: Manifest) -> list[str] | None:
+        """Whether the tensor file this would write differs from ``manifest``'s, by digest: ``["tensor bytes"]``
+        or ``[]``; ``None`` where the bytes are known only once written (a multi-rank share).
+
+        Proof by content, not by any signal that a tensor was touched: an
+        in-place update under ``no_grad``, a write through ``.data`` or a
+        NumPy view, an EMA swap or a generator's new state all show here.
+        Digested in memory (no disk written), in the generation's own algorithm.
+        """
+        record = manifest.file(TENSORS)
+        layout = tensorfile.plan(self.tensors)
+        if layout.size != record.size:
+            return ["tensor bytes"]
+        hasher = new_hasher(manifest.digest_algorithm)
+        for chunk in tensorfile.chunks(layout, self.tensors):
+            hasher.update(chunk)
+        return [] if hasher.hexdigest() == record.digest else ["tensor bytes"]
 
     @property
     def estimated_bytes(self) -> int:

@@ -16,8 +16,8 @@ import logging
 from typing import Any
 
 from .errors import CorruptGeneration, GenerationExists
-from .format.manifest import (FORMAT_VERSION, MAX_REVISION, STATE, generation_name, generation_order,
-                              parse_generation_name)
+from .format.manifest import (FORMAT_VERSION, MANIFEST, MAX_REVISION, STATE, FileRecord, Manifest,
+                              generation_name, generation_order, parse_generation_name)
 from .records import GenerationInfo
 from .state import snapshot
 from .storage.verify import Verified, verify_generation
@@ -42,10 +42,15 @@ def full_at_update(pub: Any, p: Any) -> GenerationInfo | str | None:
       unless pinned (then this save becomes a revision after them).
     - If this state descends from one of this timeline's generations at
       this update (``p.parent``, else the one ``latest`` names): the same
-      ``state.json`` and no new metrics is a no-op; anything else (the
-      epoch advanced, a validation loss, an annealed learning rate in
-      ``facts``) is published as the next revision, which supersedes it:
-      the pointer moves to it, and retention treats the earlier one as superseded.
+      bytes (``state.json``, every tensor's bytes compared by digest, and no
+      new metrics) is a no-op; anything else (the epoch advanced, a
+      validation loss, an annealed learning rate in ``facts``, weights, a
+      buffer, an optimizer moment or a generator's state changed in place)
+      is published as the next revision, which supersedes it: the pointer
+      moves to it, and retention treats the earlier one as superseded.
+      Where the tensor bytes exist only once written (a multi-rank shard),
+      the revision is staged and its files' digests decide before the
+      commit (``p.unless_same``).
     - Otherwise the newest one left is a leftover of this update: a damaged
       one is moved aside, a pinned one gets a revision after it, and a
       valid one (an interrupted publication, or an older format) is
@@ -73,10 +78,12 @@ def full_at_update(pub: Any, p: Any) -> GenerationInfo | str | None:
     if base is not None:
         verified = ours[base]
         if verified.manifest.format_version == FORMAT_VERSION:
-            changed = _changes(pub, p, verified)
+            changed = _changes(pub, p, verified) or p.changed_bytes(verified.manifest)
+            if changed is None:  # decided by the staged files' digests, just before the commit
+                p.unless_same = verified
+                return _revision(p, family, base, ["compared by digest before the commit"], quiet=True)
             if not changed:
-                log.info("%s already holds this state (the same update on the same timeline): nothing "
-                         "written", base)
+                log_same(base)
                 pub.was_published_as(p.prepared, base)
                 return GenerationInfo.from_verified(pub.store, verified)
         else:
@@ -104,14 +111,22 @@ def full_at_update(pub: Any, p: Any) -> GenerationInfo | str | None:
     return pub.store.set_aside(head, "superseded")
 
 
-def _revision(p: Any, family: list[str], supersedes: str, changed: list[str]) -> None:
-    """Name ``p`` as the next revision at its update, superseding ``supersedes``."""
+def _revision(p: Any, family: list[str], supersedes: str, changed: list[str], quiet: bool = False) -> None:
+    """Name ``p`` as the next revision at its update, superseding ``supersedes`` (``quiet``: logged by
+    whoever decides, once the staged bytes are known)."""
     revision = max(generation_order(n)[1] for n in family) + 1
     if revision > MAX_REVISION:
         raise GenerationExists(
             f"{supersedes}: {revision} different states were saved at update {p.next_update}; does the loop "
             "advance state.next_update after each update? Generations are immutable.")
     p.name = generation_name(p.next_update, "full", revision)
+    if quiet:
+        return
+    log_revision(p, supersedes, changed)
+
+
+def log_revision(p: Any, supersedes: str, changed: list[str]) -> None:
+    revision = generation_order(p.name)[1]
     log.info("%s supersedes %s: a later save at update %d whose state differs (%s); a restart resumes from "
              "%s, and retention treats %s as superseded", p.name, supersedes, p.next_update,
              ", ".join(changed), p.name, supersedes)
@@ -120,8 +135,21 @@ def _revision(p: Any, family: list[str], supersedes: str, changed: list[str]) ->
                     "saves, advance state.next_update after each one", p.name, revision + 1, p.next_update)
 
 
+def same_files(staged: list[FileRecord] | tuple[FileRecord, ...], manifest: Manifest) -> bool:
+    """Whether staged file records hold the same bytes as a committed generation's (by size and digest)."""
+    def key(records: Any) -> set[tuple[str, int, str]]:
+        return {(f.name, f.size, f.digest) for f in records if f.name != MANIFEST}
+    return key(staged) == key(manifest.files)
+
+
+def log_same(base: str) -> None:
+    log.info("%s already holds this state (the same update on the same timeline, the same bytes by digest): "
+             "nothing written", base)
+
+
 def _changes(pub: Any, p: Any, verified: Verified) -> list[str]:
-    """What a save at the same update changes from ``verified`` (empty: nothing, it is a no-op)."""
+    """What a save at the same update changes from ``verified`` in ``state.json`` and metrics (empty: nothing
+    there; the tensors' bytes are compared next, by :meth:`~trainstate.publish.Pending.changed_bytes`)."""
     existing = verified.manifest
     with pub.store.open(existing.generation, STATE) as stream:
         saved_state = stream.read(existing.file(STATE).size + 1)

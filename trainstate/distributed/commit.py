@@ -41,6 +41,7 @@ from ..errors import CheckpointFailed, CorruptGeneration, TrainStateError
 from ..format import tensorfile
 from ..format.digest import digest_stream
 from ..format.manifest import MANIFEST, STATE, FileRecord, Manifest, parse_manifest
+from .. import revisions
 from ..publish import TENSORS, Pending, Publisher
 from ..records import GenerationInfo
 from ..state import contract as contract_mod
@@ -75,8 +76,14 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publ
     superseded = begun.get("_superseded")  # rank 0: the old generation of this name, set aside until published
     try:
         records = _stage(snap, pending, ranks, staging)
-        manifest_bytes = _write(snap, pending, ranks, staging, records, key)
-        info = _verify_and_publish(pending, ranks, store, publisher, manifest_bytes, key, content)
+        written = _write(snap, pending, ranks, staging, records, key)
+        same = ranks.broadcast(written.get("same"), "compare")
+        if same is not None:  # every rank's staged bytes equal a published generation's: nothing was committed
+            info = GenerationInfo(**same)
+            if publisher is not None:
+                publisher.was_published_as(pending.prepared, info.name)
+            return info
+        info = _verify_and_publish(pending, ranks, store, publisher, written.get("manifest", b""), key, content)
     except BaseException:
         if ranks.rank == 0:
             staging.abort()  # nothing committed (or removed again): no leftover for the next save to find
@@ -169,11 +176,22 @@ def _write_tensors(staging: Any, name: str, tensors: dict) -> FileRecord:
 
 # 3. write (DCP) ----------------------------------------------------------------------------------------------
 def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, records: list[FileRecord],
-           key: Any) -> bytes:
-    written: dict[str, bytes] = {}
+           key: Any) -> dict[str, Any]:
+    """DCP writes the shards; rank 0 then commits, or discards the staging when every file's digest equals
+    the generation ``pending.unless_same`` (a save at the same update that changed nothing). Returns, on rank 0,
+    ``{"manifest": bytes}`` or ``{"same": GenerationInfo fields}``."""
+    written: dict[str, Any] = {}
 
     def commit(metadata: bytes, every_file: list[FileRecord]) -> None:
         # rank 0, inside DCP's finish: every rank's records are here; the manifest goes last, then the rename
+        base = pending.unless_same
+        if base is not None:
+            if revisions.same_files(every_file, base.manifest):
+                staging.abort()
+                revisions.log_same(base.manifest.generation)
+                written["same"] = dataclasses.asdict(GenerationInfo.from_verified(staging._store, base))
+                return
+            revisions.log_revision(pending, base.manifest.generation, ["tensor bytes, by digest"])
         per_rank = [[f.name for f in every_file if _owner(f.name) == r] for r in range(ranks.world_size)]
         manifest = Manifest(
             generation=pending.name, kind=pending.kind, next_update=pending.next_update,
@@ -189,7 +207,7 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
     writer = Writer(staging, ranks.rank, ranks.world_size, records, commit)
     with collective("write", ranks):
         dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
-    return written.get("manifest", b"")
+    return written
 
 
 def _owner(name: str) -> int:

@@ -34,6 +34,11 @@ class DistPending(Pending):
 
     snap: RankSnapshot | None = None
 
+    def changed_bytes(self, manifest: Any) -> None:
+        """Unknown until written: the shards' bytes exist only once DCP has planned and written them, so
+        rank 0 compares every rank's staged file digests with ``manifest``'s before the commit."""
+        return None
+
 
 def initialized(process_group: Any) -> bool:
     return process_group is not None or (dist.is_available() and dist.is_initialized())
