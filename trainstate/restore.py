@@ -151,7 +151,7 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
 
 
 def choose(store: Store, key: SigningKey | None, generation: str | None, preview: bool | None = False,
-           skip: list[Rejection] = (), meter: Bar | None = None
+           skip: list[Rejection] = (), meter: Bar | None = None, reader: bool = False
            ) -> tuple[Chosen | None, tuple[Rejection, ...], tuple[str, ...]]:
     """The generation to restore, verified and decoded, the rejections on the way to it, and the
     interrupted saves passed over (see :func:`candidates`).
@@ -162,6 +162,7 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
     is not damage: the choice starts again from the pointer, a bounded
     number of times. ``skip``: generations this restore already rejected
     (damage found while loading them), passed over. ``meter``: counts the bytes each read decodes.
+    ``reader``: see :func:`load` (a multi-rank generation is checked, not refused).
     """
     skipped = {r.generation for r in skip}
     if generation is not None:
@@ -170,7 +171,8 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
             raise WeightsOnlyGeneration(
                 f"{generation} holds weights only: restoring it is a warm start, not a resume. "
                 "Use warm_start() to load its weights, or restore a full generation.")
-        return load(store, key, generation, None, preview, run=expected_run(store, key), meter=meter), (), ()
+        return load(store, key, generation, None, preview, run=expected_run(store, key), meter=meter,
+                    reader=reader), (), ()
     for _ in range(VANISHED_RETRIES):
         order = candidates(store, key)
         rejected = list(order.rejected)
@@ -180,7 +182,7 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
                 continue
             try:
                 chosen = load(store, key, name, order.pointer if name == order.pointer_generation else None, preview,
-                              run=order.run, meter=meter)
+                              run=order.run, meter=meter, reader=reader)
             except CorruptGeneration as exc:
                 if name in order.listed and name not in store.generations():
                     vanished = True  # pruned under us by a live writer: not damage, start over
@@ -352,7 +354,7 @@ def check_run(manifest: Manifest, run: str | None) -> None:
 
 
 def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | None, preview: bool | None,
-         run: str | None = None, meter: Bar | None = None) -> Chosen:
+         run: str | None = None, meter: Bar | None = None, reader: bool = False) -> Chosen:
     """Verify a generation completely while decoding it; any defect is a CorruptGeneration.
 
     The payload and how it loads: ``"stream"`` for a ``blake3-chunked``
@@ -362,10 +364,16 @@ def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | Non
     (``None``: when its tensor files exceed ``IN_PLACE_BYTES``; every byte
     digested, large tensors kept as meta placeholders, a second pass loads
     in place); else ``"fresh"``: every tensor verified into fresh memory.
+    ``reader``: the caller only reads the run (``trainstate ls``): a multi-rank
+    generation is then checked whole (``"multi-rank"``), where a single-process
+    restore refuses it.
     """
     verified = verify_generation(store, name, pointer, content=False, key=key)
     manifest = verified.manifest
     check_run(manifest, run)
+    if manifest.ranks and reader:  # choosing a recovery point needs no ranks, only the checks they would make
+        from .distributed.load import check_whole  # imports this module
+        return verified, check_whole(store, manifest, key), "multi-rank"
     if manifest.ranks:
         raise StateMismatch(
             f"{name} was written by {manifest.world_size} ranks (torch.distributed): restore it under torchrun, "

@@ -131,17 +131,29 @@ def _choose(held: HeldFiles, ranks: Ranks, key: Any, generation: str | None) -> 
 
 
 # 2. check, 3. load ------------------------------------------------------------------------------------------
-def _read(held: HeldFiles, manifest: Any, ranks: Ranks) -> dict:
-    """Every small file this rank needs, parsed and decoded: damage here is damage to the generation."""
+def _read(held: HeldFiles, manifest: Any, ranks: Ranks | None) -> dict:
+    """Every small file this rank needs (``ranks`` None: every rank's), parsed and decoded: damage here is
+    damage to the generation."""
     name = manifest.generation
     payload = decode_verified(held, manifest)
     sharded = _sharded_record(payload, name)
     saved_world = sharded["world_size"]
-    wanted = [ranks.rank] if saved_world == ranks.world_size else list(range(saved_world))
+    wanted = [ranks.rank] if ranks is not None and saved_world == ranks.world_size else list(range(saved_world))
     records = {r: _rank_record(held, manifest, r) for r in wanted}
     metadata = metadata_from_json(read_json_file(held, manifest, DCP_METADATA), f"{name}/{DCP_METADATA}",
                                   {f.name for f in manifest.files if f.name.startswith("shard-")})
     return {"payload": payload, "sharded": sharded, "records": records, "metadata": metadata}
+
+
+def check_whole(store: Any, manifest: Any, key: Any = None) -> dict:
+    """Without a process group, what a multi-rank restore at any world size reads, checked: every file's
+    digest, ``state.json``, every rank's record and DCP's metadata decoded. Returns the global payload.
+
+    For the commands that read a run (``ls``, ``verify``...): choosing a recovery
+    point needs no ranks, only the same checks the ranks would make together.
+    """
+    verify_generation(store, manifest.generation, content=True, key=key)  # every byte, the shards too
+    return _read(store, manifest, None)["payload"]
 
 
 def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held: HeldFiles, ranks: Ranks,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..progress import OnBytes
+from . import diffranks
 from .diffread import CHUNK_BYTES, Side, TensorDiff, TensorReader, load_side
 
 CATEGORIES = ("contract", "model", "optimizer", "scheduler", "clocks", "rng", "data")
@@ -94,24 +95,25 @@ class _Ref:
         self.name = name
 
 
-def _plain(node: Any) -> Any:
+def _plain(node: Any, file: str = "") -> Any:
     """A skeleton with the codec's containers opened up, tensor references as :class:`_Ref`, other tags kept
-    as leaves (compared by their exact JSON text)."""
+    as leaves (compared by their exact JSON text). ``file``: the tensor file a rank record's references point
+    into (its entries are registered as ``<file>/<name>``)."""
     if type(node) is list:
-        return [_plain(v) for v in node]
+        return [_plain(v, file) for v in node]
     if type(node) is dict:
         if len(node) == 1:
             (tag, value), = node.items()
             if tag in ("$t", "$nd") and type(value) is str:
-                return _Ref(value)
+                return _Ref(f"{file}/{value}" if file else value)
             if tag == "$odict" and type(value) is dict:
-                return {k: _plain(v) for k, v in value.items()}
+                return {k: _plain(v, file) for k, v in value.items()}
             if tag == "$map" and type(value) is list:
-                return {(p[0] if type(p[0]) is str else json.dumps(p[0])): _plain(p[1]) for p in value
+                return {(p[0] if type(p[0]) is str else json.dumps(p[0])): _plain(p[1], file) for p in value
                         if type(p) is list and len(p) == 2}
             if tag == "$tuple" and type(value) is list:
-                return [_plain(v) for v in value]
-        return {k: _plain(v) for k, v in node.items()}
+                return [_plain(v, file) for v in value]
+        return {k: _plain(v, file) for k, v in node.items()}
     return node
 
 
@@ -212,7 +214,41 @@ def _trees(side: Side) -> dict[str, dict[str, Any]]:
     out["rng"].update({f"named.{k}": v for k, v in (rng.get("named") or {}).items()})
     out["rng"].update({k: v for k, v in rng.items() if k != "named"})
     out["data"].update({f"position.{k}": v for k, v in m.data.items()})
-    return {c: {k: _plain(v) for k, v in t.items()} for c, t in out.items()}
+    trees = {c: {k: _plain(v) for k, v in t.items()} for c, t in out.items()}
+    if m.ranks:
+        _rank_trees(side, trees)
+    return trees
+
+
+def _rank_trees(side: Side, trees: dict[str, dict[str, Any]]) -> None:
+    """Each rank's own record (RNG streams, rank-local components and clocks) as ``rank<r>.<name>`` entries."""
+    for rank, raw in sorted(diffranks.rank_records(side).items()):
+        file, tag = f"rank-{rank:05d}.safetensors", f"rank{rank}"
+        rng = raw.get("rng") or {}
+        trees["rng"].update({f"{tag}.named.{k}": _plain(v, file) for k, v in (rng.get("named") or {}).items()})
+        trees["rng"].update({f"{tag}.{k}": _plain(v, file) for k, v in rng.items() if k != "named"})
+        for name, record in (raw.get("components") or {}).items():
+            state = record.get("state") if type(record) is dict else record
+            trees[classify(name, record, set(side.manifest.data))][f"{tag}.{name}"] = _plain(state, file)
+        for key in ("counters", "facts", "tokens_seen"):
+            if key in raw:
+                trees["clocks"][f"{tag}.{key}"] = _plain(raw[key], file)
+
+
+def _walk_sharded(walker: _Walker, category: str, a: Side, b: Side, items: tuple[dict, dict]) -> None:
+    """The DCP items of the sharded components in ``category`` (modules: model; optimizers: optimizer)."""
+    wanted = {"module": "model", "optimizer": "optimizer"}
+    kinds = {**diffranks.component_kinds(b), **diffranks.component_kinds(a)}
+    names = list(items[0]) + [n for n in items[1] if n not in items[0]]
+    for fqn in names:
+        if wanted.get(kinds.get(fqn.split(".", 1)[0], "")) != category:
+            continue
+        item_a, item_b = items[0].get(fqn), items[1].get(fqn)
+        if (item_a or item_b).dtype is not None:
+            walker.tensors += 1
+        message, got = diffranks.compare_item(walker.reader, fqn, item_a, item_b)
+        if message:
+            walker.entries.append(Entry(fqn, message, got if got is not None and got.differing else None))
 
 
 def _walk_streams(walker: _Walker, a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -256,6 +292,11 @@ def diff(a: str | Path, b: str | Path, *, chunk_bytes: int = CHUNK_BYTES, on_byt
     ``on_bytes`` is told each batch of bytes read: verified on either side, then compared (both sides').
     """
     side_a, side_b = load_side(a, on_bytes), load_side(b, on_bytes)
+    sharded = ({}, {})
+    for i, side in enumerate((side_a, side_b)):
+        if side.manifest.ranks:  # multi-rank: rank files and shards too (see trainstate.tools.diffranks)
+            diffranks.register(side)
+            sharded[i].update(diffranks.items(side))
     trees_a, trees_b = _trees(side_a), _trees(side_b)
     categories = []
     with TensorReader(side_a, side_b, chunk_bytes, on_bytes) as reader:
@@ -265,6 +306,7 @@ def diff(a: str | Path, b: str | Path, *, chunk_bytes: int = CHUNK_BYTES, on_byt
                 _walk_streams(walker, trees_a[name], trees_b[name])
             else:
                 walker.walk(trees_a[name], trees_b[name], "")
+            _walk_sharded(walker, name, side_a, side_b, sharded)
             categories.append(Category(name, _summary(name, walker), walker.entries, walker.tensors))
     first = next((c.name for c in categories if c.entries), None)
     return DiffReport(str(a), str(b), first is None, first, categories)
