@@ -99,8 +99,12 @@ def test_failed_save_publishes_nothing_and_keeps_latest(tmp_path, fail_at):
     assert not [n for n in _names(tmp_path) if n.startswith(".trainstate-staging")]
     with ts.CheckpointManager(tmp_path) as ckpt:
         info = ckpt.restore(again := build(seed=10))
-        assert info.generation.name == "gen-000000000001"
-        assert_same(full_state(again), full_state(reference))
+        # a failed pointer move leaves a complete, verified generation one step ahead: restore rolls forward to
+        # it and reports the pointer (issue 29); every other failure leaves nothing, and the previous one loads
+        rolled = fail_at == "pointer"
+        assert info.generation.name == ("gen-000000000002" if rolled else "gen-000000000001")
+        assert [r.generation for r in info.rejected] == (["latest"] if rolled else [])
+        assert_same(full_state(again), full_state(state if rolled else reference))
         ckpt.save(state if fail_at != "pointer" else (step(state), state)[1])  # the next save succeeds
 
 
@@ -163,14 +167,15 @@ def test_same_update_twice_is_a_no_op_a_changed_state_is_a_revision_and_an_orpha
     (tmp_path / "latest").write_bytes(_pointer_for(tmp_path, "gen-000000000001-r002"))
     resumed = build(seed=4)
     with ts.CheckpointManager(tmp_path) as ckpt:
-        info = ckpt.restore(resumed)
-        assert info.generation.name == "gen-000000000001-r002" and info.identical_continuation
+        info = ckpt.restore(resumed)  # gen 2 is complete and descends from it: rolled forward (issue 29)
+        assert info.generation.name == "gen-000000000002" and info.identical_continuation
         step(resumed)
-        ckpt.save(resumed)  # gen 2 exists but was never published: it is superseded, not refused
-        assert ckpt.latest() == "gen-000000000002"
+        ckpt.save(resumed)
+        assert ckpt.latest() == "gen-000000000003"
     # the superseded gen-1 and gen-1-r001 take no keep_last slot: they stay while gen-1-r002 does
     assert [n for n in _names(tmp_path) if n.startswith("gen-")] == [
-        "gen-000000000001", "gen-000000000001-r001", "gen-000000000001-r002", "gen-000000000002"]
+        "gen-000000000001", "gen-000000000001-r001", "gen-000000000001-r002", "gen-000000000002",
+        "gen-000000000003"]
 
 
 def _pointer_for(directory: Path, name: str) -> bytes:

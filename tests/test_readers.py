@@ -161,15 +161,36 @@ def test_an_unsigned_rolled_back_pointer_is_reported_and_the_newest_restored(tmp
     assert_same(full_state(got), final)
 
 
-def test_one_step_behind_is_an_interrupted_save_not_a_rollback(tmp_path):
-    """A crash between a commit and the pointer move leaves exactly this: the pointer's generation resumes."""
-    key = ts.SigningKey(b"k" * 32)
+@pytest.mark.parametrize("signed", [True, False])
+def test_one_step_behind_rolls_forward_and_says_so(tmp_path, caplog, signed):
+    """Issue 29 item 5: a crash between a commit and the pointer move, or a signed latest replayed one step back,
+    leaves the pointer one step behind a complete generation that descends from it. Before, restore followed the
+    pointer silently (a replay gained an attacker one step); now it restores the newer one, bitwise, and reports
+    the pointer."""
+    key = ts.SigningKey(b"k" * 32) if signed else None
     state = _run(tmp_path, 2, key)
     (tmp_path / "latest").write_bytes(_pointer(tmp_path, "gen-000000000001", key))
     with ts.CheckpointManager(tmp_path, signing_key=key) as ckpt:
+        info = ckpt.restore(got := build(seed=9))
+    assert info.generation.name == "gen-000000000002"
+    assert [r.generation for r in info.rejected] == ["latest"] and "rolling forward" in info.rejected[0].reason
+    assert "rolling forward to gen-000000000002" in caplog.text
+    assert_same(full_state(got), full_state(state))
+
+
+def test_one_step_ahead_but_damaged_falls_back_to_the_pointer(tmp_path):
+    """The control: the newer generation is preferred only when it verifies; damaged, the pointer's is restored."""
+    key = ts.SigningKey(b"k" * 32)
+    _run(tmp_path, 2, key)
+    (tmp_path / "latest").write_bytes(_pointer(tmp_path, "gen-000000000001", key))
+    tensors = tmp_path / "gen-000000000002" / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 1
+    tensors.write_bytes(bytes(data))
+    with ts.CheckpointManager(tmp_path, signing_key=key) as ckpt:
         info = ckpt.restore(build(seed=9))
-    assert info.generation.name == "gen-000000000001" and info.rejected == ()
-    del state
+    assert info.generation.name == "gen-000000000001"
+    assert "gen-000000000002" in [r.generation for r in info.rejected]
 
 
 def _pointer_after(root: Path, updates: int, key) -> bytes:

@@ -97,7 +97,7 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
     failed: list[Rejection] = []  # generations whose one-pass load found damage after the choice
     while True:
         try:
-            chosen, rejected, interrupted = choose(store, key, generation, preview=in_place, skip=failed, meter=meter)
+            chosen, rejected = choose(store, key, generation, preview=in_place, skip=failed, meter=meter)
         except NoValidGeneration as exc:
             if not failed:
                 raise
@@ -145,16 +145,16 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
         report = getattr(component, "restore_warnings", None)
         warnings += list(report()) if callable(report) else []
     state.parent = name
-    state.lineage = continue_lineage(store, verified.manifest, ignore=interrupted)
+    state.lineage = continue_lineage(store, verified.manifest)
     return RestoreInfo(GenerationInfo.from_verified(store, verified), rejected, tuple(accepted),
                        tuple(warnings)), rejected
 
 
 def choose(store: Store, key: SigningKey | None, generation: str | None, preview: bool | None = False,
            skip: list[Rejection] = (), meter: Bar | None = None, reader: bool = False
-           ) -> tuple[Chosen | None, tuple[Rejection, ...], tuple[str, ...]]:
-    """The generation to restore, verified and decoded, the rejections on the way to it, and the
-    interrupted saves passed over (see :func:`candidates`).
+           ) -> tuple[Chosen | None, tuple[Rejection, ...]]:
+    """The generation to restore, verified and decoded, and the rejections on the way to it (see
+    :func:`candidates`).
 
     ``(None, ())`` when the directory holds nothing to resume from; raises
     :class:`NoValidGeneration` when generations exist but none verifies.
@@ -172,7 +172,7 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
                 f"{generation} holds weights only: restoring it is a warm start, not a resume. "
                 "Use warm_start() to load its weights, or restore a full generation.")
         return load(store, key, generation, None, preview, run=expected_run(store, key), meter=meter,
-                    reader=reader), (), ()
+                    reader=reader), ()
     for _ in range(VANISHED_RETRIES):
         order = candidates(store, key)
         rejected = list(order.rejected)
@@ -191,11 +191,11 @@ def choose(store: Store, key: SigningKey | None, generation: str | None, preview
                 rejected.append(Rejection(name, str(exc)))
                 log.warning("rejected %s: %s", name, exc)
                 continue
-            return chosen, tuple(rejected), order.interrupted if name == order.pointer_generation else ()
+            return chosen, tuple(rejected)
         if vanished:
             continue
         if not order.names and order.pointer is None and not order.rejected:
-            return None, (), ()
+            return None, ()
         raise NoValidGeneration(store.location, list(skip) + rejected)
     raise NoValidGeneration(store.location, [Rejection(store.location, f"generations kept disappearing while "
                                                                        f"read ({VANISHED_RETRIES} attempts)")])
@@ -212,7 +212,6 @@ class Candidates:
     pointer: Pointer | None
     rejected: tuple[Rejection, ...]
     listed: frozenset[str] = frozenset()  # the generations present when the order was made
-    interrupted: tuple[str, ...] = ()  # committed one step past the pointer, never published
     run: str | None = None  # the directory's run identity: a generation of another run is refused
 
     @property
@@ -226,13 +225,14 @@ def candidates(store: Store, key: SigningKey | None) -> Candidates:
     The pointer's generation first, then every other full generation newest
     first by parsed update number. A valid generation newer than the
     pointer's on the pointer's own timeline goes before it: the pointer
-    was left behind, by a crash between a commit and the pointer move (one
-    step, a generation whose parent is the pointer's) or by a ``latest``
-    copied back into place. Unsigned, that is logged loudly and the newest
-    valid one wins; in a signed run it means tampering and raises
-    :class:`PointerRollback`. One step ahead (a single newer generation whose
-    parent is the pointer's) is what an interrupted save leaves: it was
-    never published, and restore resumes from the pointer as before.
+    was left behind, by a crash between a commit and the pointer move or by
+    a ``latest`` copied back into place, and the newest such generation that
+    verifies is restored (rolled forward), reported as a rejection of the
+    pointer. One step ahead (a single newer generation whose parent is the
+    pointer's) is what a crash between commit and pointer move leaves: it is
+    complete, so rolling forward loses nothing, signed or not, and a pointer
+    replayed one step back gains an attacker nothing. Further ahead, in a
+    signed run, means a pointer replayed further back: :class:`PointerRollback`.
     """
     names = store.generations()
     full = [n for n in names if parse_generation_name(n)[1] == "full"]
@@ -246,26 +246,25 @@ def candidates(store: Store, key: SigningKey | None) -> Candidates:
         return Candidates(tuple(full), None, tuple(rejected), frozenset(full), run=run)
     rest = [n for n in full if n != pointer.generation]
     ahead = _descendants_ahead(store, key, pointer, rest, run)
-    if ahead and len(ahead) == 1 and ahead[0][1].parent == pointer.generation:
-        # One step ahead: a save interrupted between its commit and its pointer move (or one that failed
-        # after the commit and said so). It was never published: resume from the pointer, and let the next
-        # save at that update supersede it.
-        log.info("%s: %s is committed but was never named by latest (an interrupted save); resuming from %s",
-                 store.location, ahead[0][0], pointer.generation)
-        return Candidates(tuple([pointer.generation] + rest), pointer, tuple(rejected), frozenset(full),
-                          interrupted=(ahead[0][0],), run=run)
     if ahead:
         newest = ahead[0][0]
-        if key is not None:
+        one_step = len(ahead) == 1 and ahead[0][1].parent == pointer.generation
+        if key is not None and not one_step:
             raise PointerRollback(
                 f"{store.location}: latest names {pointer.generation}, but {newest}, a newer validly signed "
                 f"generation of the same timeline, exists ({len(ahead)} newer in all): the pointer was rolled back. "
                 "Nothing was loaded. Find out who replaced the pointer; to resume deliberately from a generation, "
                 "pass restore(state, generation=...).")
-        reason = (f"names {pointer.generation}, but {newest} and {len(ahead) - 1} more are newer generations of "
-                  "the same timeline: the pointer was rolled back (copied back into place?); restoring the newest "
-                  "valid generation instead")
-        log.error("%s: latest %s", store.location, reason)
+        if one_step:
+            reason = (f"names {pointer.generation}, but {newest}, committed after it and descending from it, is "
+                      "complete: a save interrupted between its commit and the pointer move (or latest replayed one "
+                      f"step back); rolling forward to {newest}")
+            log.warning("%s: latest %s", store.location, reason)
+        else:
+            reason = (f"names {pointer.generation}, but {newest} and {len(ahead) - 1} more are newer generations of "
+                      "the same timeline: the pointer was rolled back (copied back into place?); restoring the "
+                      "newest valid generation instead")
+            log.error("%s: latest %s", store.location, reason)
         rejected.append(Rejection(POINTER, reason))
         first = [name for name, _ in ahead]
         return Candidates(tuple(first + [pointer.generation] + [n for n in rest if n not in first]), pointer,
@@ -457,20 +456,18 @@ class _Borrowed:
         pass
 
 
-def continue_lineage(store: Store, manifest: Manifest, ignore: tuple[str, ...] = ()) -> list[list]:
+def continue_lineage(store: Store, manifest: Manifest) -> list[list]:
     """The timelines a run restored from ``manifest`` continues.
 
     Resuming from the newest full generation continues its timeline.
     Resuming from an older one (a fallback past a damaged latest, or an
     explicit ``generation=``) forks: full generations above it then belong
     to an abandoned timeline, which retention never counts as ancestors.
-    An interrupted save (``ignore``) does not fork: it was never published,
-    and the next save at its update supersedes it.
     """
     record = [list(e) for e in manifest.lineage] or [["legacy", None]]
     update = manifest.next_update
     newer = [n for n in store.generations() if (p := parse_generation_name(n)) and p[1] == "full"
-             and generation_order(n) > generation_order(manifest.generation) and n not in ignore]
+             and generation_order(n) > generation_order(manifest.generation)]
     if not newer:
         return record
     return record[:-1] + [[record[-1][0], update], [new_timeline(), None]]

@@ -46,7 +46,7 @@ def find_recovery(store: Store, key: SigningKey | None, quick: bool) -> Recovery
     quiet = _Quiet()  # what restore would log is in the report instead
     logging.getLogger("trainstate").addFilter(quiet)
     try:
-        chosen, rejected, _ = choose(store, key, None, preview=True, reader=True)
+        chosen, rejected = choose(store, key, None, preview=True, reader=True)
     except NoValidGeneration as exc:
         return Recovery(None, "digests", [{"generation": r.generation, "reason": r.reason} for r in exc.rejections],
                         "no full generation verifies")
