@@ -146,7 +146,9 @@ def test_ls_of_a_single_generation(run, capsys):
 def test_verify_exit_codes(run, capsys):
     rc, out, _ = cli_run(capsys, "verify", str(run))
     assert rc == 0
-    assert out.splitlines() == [f"ok      {n}" for n in (G3, W2, G2, G1)]
+    assert out.splitlines() == [f"ok      {n}" for n in (G3, W2, G2, G1)] + [
+        f"ok: 4 generation(s) of {run} verified (digests checked, and every pointer); unsigned: nothing was "
+        "authenticated"]
     for name in (G3, W2, G2, G1):
         assert cli_run(capsys, "verify", str(run / name))[0] == 0
     flip_tensor_data(run / G2)
@@ -158,7 +160,8 @@ def test_verify_exit_codes(run, capsys):
 
 def test_verify_json(run, capsys):
     rc, report = cli_json(capsys, "verify", str(run))
-    assert rc == 0 and report == {"verified": [G3, W2, G2, G1], "failures": []}
+    assert rc == 0 and report == {"verified": [G3, W2, G2, G1], "failures": [], "signature": "absent",
+                                  "authenticated": False}
     (run / G1 / "state.json").unlink()
     rc, report = cli_json(capsys, "verify", str(run))
     assert rc == 1 and report["verified"] == [G3, W2, G2]

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from .. import progress
+from . import authenticity
 from ..errors import TrainStateError
 from ..format import signing
 from ..tools.bundle import is_bundle as _is_bundle, verify_bundle
@@ -70,28 +71,36 @@ def is_bundle(target: str) -> bool:
 
 def cmd_verify_bundle(args: argparse.Namespace) -> int:
     """Check every file of a release bundle against its manifest (and its signature, when a key is configured:
-    ``TRAINSTATE_SIGNING_KEY`` or ``TRAINSTATE_SIGNING_KEY_FILE``); exit 1 naming each bad file."""
+    ``TRAINSTATE_SIGNING_KEY`` or ``TRAINSTATE_SIGNING_KEY_FILE``); exit 1 naming each bad file, and with
+    ``--require-signature`` unless the signature was checked."""
     failures: list[dict[str, str]] = []
     files: tuple[str, ...] = ()
     signed = checked = False
+    signature: str | None = None  # unknown while the manifest itself does not verify
     try:
         report = verify_bundle(args.target, signing.resolve(None, args.target))
         files, signed, checked = report.files, report.signed, report.signature_checked
+        signature = authenticity.status(signed, checked)
         failures = [{"file": name, "error": problem} for name, problem in report.problems.items()]
     except (TrainStateError, OSError) as exc:
         failures.append({"file": "release-manifest.json", "error": str(exc)})
+    refused = authenticity.required(signature, f"release bundle {args.target}") \
+        if args.require_signature and signature else None
+    if refused:
+        failures.append({"file": "release-manifest.json", "error": refused})
     bad = {f["file"] for f in failures}
     verified = [name for name in files if name not in bad]
     args.broken_pipe_status = 1 if failures else 0
     if args.json:
         print(json.dumps({"bundle": args.target, "verified": verified, "failures": failures, "signed": signed,
-                          "signature_checked": checked}, indent=1))
+                          "signature_checked": checked, "signature": signature,
+                          "authenticated": signature == authenticity.VERIFIED and not failures}, indent=1))
     else:
         for name in verified:
             print(f"ok      {name}")
         for failure in failures:
             print(f"FAILED  {failure['file']}: {failure['error']}")
         if not failures:
-            print(f"release bundle {args.target}: {len(verified)} file(s) match the manifest; signature "
-                  + ("checked" if checked else "present, not checked (no key configured)" if signed else "absent"))
+            print(f"ok: release bundle {args.target}: {len(verified)} file(s) match the manifest; "
+                  + authenticity.phrase(signature))
     return 1 if failures else 0

@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import authenticity
 from . import copy as cli_copy
 from . import cost as cli_cost
 from . import diff as cli_diff
 from . import inspecting
 from . import doctor as cli_doctor
 from . import export as cli_export
+from . import hfdiscard as cli_hfdiscard
 from . import lifecycle as cli_lifecycle
 from . import listing
 from . import timeline as cli_timeline
@@ -41,6 +43,18 @@ Inspect, verify and maintain trainstate run directories.
 Every command reads through the same pickle-free, digest-checking reader as
 restore, so it is safe to point at a directory you do not trust. Each takes
 --json. Exit status: 0 success, 1 a verification failure or error, 2 bad usage.
+"""
+
+VERIFY_DESCRIPTION = f"""\
+Verify a run directory (every generation's manifest, file set, sizes and
+digests, and every pointer), one generation of it, or a release bundle written
+by `trainstate export` (every file against release-manifest.json: a changed,
+missing or unlisted file is named).
+
+Signatures are checked only with the key ({signing.ENV_KEY} or
+{signing.ENV_KEY_FILE}). Without it a signed target still verifies, and the
+last line says so: "signature present but NOT checked ... nothing was
+authenticated". --require-signature makes that, and an unsigned target, exit 1.
 """
 
 
@@ -67,7 +81,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_discard(args: argparse.Namespace) -> int:
-    """Delete set-aside generations after review (never a generation restore could use)."""
+    """Delete set-aside generations after review (never a generation restore could use); in a Hugging Face
+    output directory, the checkpoint folders the callback set aside (never a ``checkpoint-N``)."""
+    if cli_hfdiscard.is_output_dir(args.directory, args.names):
+        names = cli_hfdiscard.discard(args.directory, args.names, args.all)
+        print(json.dumps({"discarded": names}) if args.json else "\n".join(f"discarded {n}" for n in names))
+        return 0
     store = open_existing(args.directory)
     aside = store.aside()
     names = [n for n in aside if ".superseded-" not in n] if args.all else list(args.names)
@@ -133,6 +152,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 except TrainStateError as exc:
                     failures.append({"generation": pname, "error": f"names {p['generation']}, which verifies on "
                                      f"its own, but the pointer's record does not match it: {exc}"})
+    signature = authenticity.status(authenticity.run_signed(store, names), key is not None)
+    refused = authenticity.required(signature, f"run {args.target}") if args.require_signature else None
+    if refused:
+        failures.append({"generation": args.target, "error": refused})
     rehearsed = None
     if args.rehearse:
         target = names[0] if single else (pointers.get(POINTER, {}).get("generation")
@@ -148,6 +171,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     args.broken_pipe_status = 1 if failures else 0  # a reader that stops early must not turn a failure into 0
     if args.json:
         out: dict[str, Any] = {"verified": checked, "failures": failures}
+        out.update(signature=signature, authenticated=signature == authenticity.VERIFIED and not failures)
         if args.rehearse:
             out["rehearsal"] = rehearsed
         print(json.dumps(out, indent=1))
@@ -158,6 +182,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"rehearsed {rehearsed['generation']} into fresh objects: {', '.join(rehearsed['checks'])}")
         for f in failures:
             print(f"FAILED  {f['generation']}: {f['error']}")
+        if not failures:
+            print(f"ok: {len(checked)} generation(s) of {args.target} verified (digests checked"
+                  + ("" if single else ", and every pointer") + f"); {authenticity.phrase(signature)}")
     return 1 if failures else 0
 
 
@@ -244,11 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", action="store_true", help="draw the run's lineage: timelines, forks, and what "
                    "each retention rule keeps")
     p.set_defaults(func=cmd_ls)
-    p = sub.add_parser("verify", help="verify every committed generation (exit 1 on any failure)")
-    p.add_argument("target", help="a run directory or one generation directory")
+    p = sub.add_parser("verify", help="verify every committed generation of a run, or every file of a release "
+                       "bundle (exit 1 on any failure)", description=VERIFY_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="a run directory, one generation directory, or a release bundle (a directory "
+                   "`trainstate export` wrote, holding release-manifest.json)")
     p.add_argument("--rehearse", metavar="FACTORY", default=None,
                    help="module:function returning a fresh TrainState; restore the latest (or the given) "
                    "generation into it, as a restart would, without touching any live run")
+    authenticity.add_flag(p)
     progress.add_flag(p)
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("inspect", help="show a generation's components, clocks and contract (no tensor data read)")
@@ -261,10 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=None, metavar="N",
                    help="run the drill under torchrun with N ranks (FSDP2 over gloo); each kill takes down the launch")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("discard", help="delete set-aside (rejected or abandoned) generations after review")
-    p.add_argument("directory")
-    p.add_argument("names", nargs="*", help="set-aside entries, as `trainstate ls` lists them")
-    p.add_argument("--all", action="store_true", help="every rejected and abandoned entry")
+    p = sub.add_parser("discard", help="delete set-aside (rejected or abandoned) generations after review, or the "
+                       "checkpoint folders the Hugging Face callback set aside")
+    p.add_argument("directory", help="a run directory, or a Hugging Face Trainer output directory")
+    p.add_argument("names", nargs="*", help="set-aside entries, as `trainstate ls` lists them; in a Hugging Face "
+                   "output directory, incomplete-checkpoint-N-<hex> / abandoned-checkpoint-N-<hex> folders (with "
+                   "none given, the error lists them)")
+    p.add_argument("--all", action="store_true", help="every rejected and abandoned entry (Hugging Face: every "
+                   "set-aside folder; checkpoint-N folders are never touched)")
     p.set_defaults(func=cmd_discard)
     cli_lifecycle.register(sub)
     cli_copy.add_parser(sub)

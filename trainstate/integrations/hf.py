@@ -23,7 +23,8 @@ What Trainer 5.x leaves out, and what each part adds:
   again in place over what an earlier attempt left there. At train begin, the
   callback renames every ``checkpoint-M`` newer than the resumed step out of
   Trainer's sight (``incomplete-checkpoint-M-<hex>`` if never sealed,
-  ``abandoned-checkpoint-M-<hex>`` if sealed), keeping it as evidence.
+  ``abandoned-checkpoint-M-<hex>`` if sealed), keeping it as evidence;
+  ``trainstate discard OUTPUT_DIR --all`` deletes them after review.
 - ``save_total_limit=1`` makes Trainer delete the previous checkpoint inside
   the save, before the new one is sealed; the callback refuses it.
 
@@ -37,12 +38,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import secrets
 from pathlib import Path
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..cli.hfdiscard import aside_name
 from ..errors import GenerationNotFound, InvalidArgument, NoValidGeneration
 from ..format.digest import new_hasher
 from ..format.seal import SEAL, SEAL_POINTER
@@ -139,7 +140,7 @@ def _set_aside_newer(output_dir: Path, step: int) -> None:
         if _step(name) <= step:
             break
         reason = "abandoned" if (output_dir / name / SEAL).exists() else "incomplete"
-        aside = f"{reason}-{name}-{secrets.token_hex(8)}"
+        aside = aside_name(reason, name)  # the pattern `trainstate discard OUTPUT_DIR` recognises
         ops.rename(output_dir / name, output_dir / aside)
         moved = True
         log.warning("moved %s aside to %s: this run is at step %d, and Trainer would rewrite it in place", name, aside,

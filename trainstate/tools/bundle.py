@@ -65,6 +65,11 @@ class BundleReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether the signature was checked with the key; digests alone authenticate nothing."""
+        return self.signed and self.signature_checked
+
 
 # --- included files ----------------------------------------------------------------------------------------
 
