@@ -3,7 +3,8 @@
 Registered by :mod:`trainstate.cli.main` through :func:`add_parser`. Exit
 status, like ``trainstate diff``: 0 no difference, 1 a difference (or an
 update that is not reproducible), 2 an error (a bad argument, a run without a
-full generation, a factory or step that fails).
+full generation, a factory or step that fails). A difference in an RNG stream
+that no compared update drew from is reported apart and counts as none.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="run the next update resumed and uninterrupted in fresh processes and name the "
-                       "first stage that differs (exit 0 none, 1 a difference, 2 error)")
+                       "first stage that differs (exit 0 none, 1 a difference, 2 error; RNG streams the update never "
+                       "drew from are reported apart and do not count)")
     p.add_argument("run", help="a run directory (its newest full generation), RUN@UPDATE, or a generation directory")
     p.add_argument("--factory", required=True, metavar="MODULE:FUNCTION",
                    help="returns a fresh TrainState, built as the training script builds it")

@@ -7,7 +7,7 @@ distributed training; saving and resuming go through trainstate's
     from trainstate.integrations.accelerate import train_state
 
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    loader = ts.ResumableLoader(dataset, batch_size=32, seed=0)   # not prepared: it keeps the data position
+    loader = ts.ResumableLoader(dataset, batch_size=32, seed=0, shuffle=True)  # True is the default; not prepared
     state = train_state(accelerator, data=loader)
     with ts.CheckpointManager("runs/exp1") as ckpt:
         ckpt.restore(state)

@@ -25,6 +25,12 @@ stage where ``resumed`` and ``reference`` differ is the verdict:
 5. ``lr``: the LR each param group used at ``optimizer.step()``, and the LR it holds after the update;
 6. ``loss``; 7. ``grads`` (at ``optimizer.step()``); 8. ``updated``: the state after the update.
 
+Each process also notes which RNG streams its update drew from (each stream's state just before and
+just after the step). A stream that neither compared process drew from cannot explain a drift, whatever it
+holds (a factory that seeds torch but not ``random`` leaves Python's stream to OS entropy in a replay): its
+differences, in the state and the first draws alike, are set apart in ``DoctorReport.unused`` and decide
+nothing. A stream that one of them drew from is compared as everything else is.
+
 Tensors are compared by their bits (``-0.0`` differs from ``0.0``), and each
 difference is reported as measured: how many elements, the first index, the
 largest absolute and relative difference. The diagnosis names what the first
@@ -42,6 +48,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +58,7 @@ from safetensors import safe_open
 
 from ..errors import InvalidArgument
 from ..format.manifest import parse_generation_name
-from .diff import Category, Entry, _finite, diff
+from .diff import Category, DiffReport, Entry, _finite, diff
 from .diffread import TensorDiff, _Accumulator, resolve
 
 STAGES = ("contract", "state", "batch", "rng", "lr", "loss", "grads", "updated")
@@ -71,6 +78,7 @@ class Record:
     notes: list[str]
     before: Path
     after: Path
+    streams: dict[str, bool] = field(default_factory=dict)  # RNG stream -> whether the update drew from it
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,11 @@ class DoctorReport:
     (``repeat``); ``stages`` still holds the comparison with the reference.
     ``reproducible`` is ``None`` when that check was not run (``repeat=False``).
     ``notes`` holds the warnings each process raised, by role (a restore's
-    ``ContinuationWarning`` among them).
+    ``ContinuationWarning`` among them). ``unused``: per RNG stream that differs
+    but that no compared process's update drew from, its differences (paths
+    ``stage/...``; ``repeat:stage/...`` between the two fresh restores); no
+    stage holds them and they decide nothing. ``drawn``: per role, the
+    streams its update drew from.
     """
 
     run: str
@@ -97,6 +109,8 @@ class DoctorReport:
     stages: list[Category]
     repeat: list[Category]
     notes: dict[str, list[str]] = field(default_factory=dict)
+    unused: dict[str, list[Entry]] = field(default_factory=dict)
+    drawn: dict[str, list[str]] = field(default_factory=dict)
 
     def stage(self, name: str) -> Category:
         return next(c for c in self.stages if c.name == name)
@@ -215,10 +229,26 @@ def _batch_points_to(category: Category) -> str:
             "outside the TrainState does not resume (position, order, or augmentation randomness)")
 
 
-def diagnose(stages: list[Category], repeat: list[Category] | None, against: bool = False
-             ) -> tuple[str | None, bool | None, str]:
+def diagnose(stages: list[Category], repeat: list[Category] | None, against: bool = False,
+             unused: Iterable[str] = ()) -> tuple[str | None, bool | None, str]:
     """``(first, reproducible, diagnosis)`` from the two comparisons (see :class:`DoctorReport`); ``repeat``
-    is ``None`` when no second fresh restore ran; ``against``: the reference is another run's generation."""
+    is ``None`` when no second fresh restore ran; ``against``: the reference is another run's generation;
+    ``unused``: streams that differ but no update drew from (named, never the verdict)."""
+    first, reproducible, text = _verdict(stages, repeat, against)
+    unused = sorted(unused)
+    if not unused:
+        return first, reproducible, text
+    names = ", ".join(unused)
+    if first is None and reproducible is not False:
+        return first, reproducible, (
+            "no difference in anything the update used: it saw and did exactly what the uninterrupted one did, "
+            f"bit for bit. RNG streams it never drew from differ ({names}), which cannot explain a drift: set apart")
+    return first, reproducible, f"{text}. Set apart, as no update drew from them: {names}"
+
+
+def _verdict(stages: list[Category], repeat: list[Category] | None, against: bool
+             ) -> tuple[str | None, bool | None, str]:
+    """The verdict from the stages alone (what :func:`diagnose` returns when no stream was set apart)."""
     checked = repeat is not None
     again = first_stage(repeat) if checked else None
     if again is not None:
@@ -242,14 +272,61 @@ def diagnose(stages: list[Category], repeat: list[Category] | None, against: boo
     return first, reproducible, f"first difference: {first} ({head.path}: {head.message}). Points to: {hint}"
 
 
-def compare(a: Record, b: Record) -> list[Category]:
-    """Every stage of two processes' records, in causal order."""
+def unused_streams(a: Record, b: Record) -> set[str]:
+    """The RNG streams neither process's update drew from (one a process did not judge counts as drawn)."""
+    return {n for n in set(a.streams) | set(b.streams) if a.streams.get(n) is False and b.streams.get(n) is False}
+
+
+def stream_of(stage: str, path: str, streams: Iterable[str]) -> str | None:
+    """Which of ``streams`` an RNG entry belongs to. ``state``/``updated`` paths are ``ts.diff``'s
+    (``rng.python``, ``rng.numpy_global.state.key``), ``rng`` paths the draws' (``python``, ``torch_cuda.0``)."""
+    if stage == "rng":
+        path = "rng." + ("torch_cuda" if path.startswith("torch_cuda.") else path)
+    for name in sorted(streams, key=len, reverse=True):  # longest first: rng.named.a.b is not rng.named.a
+        if path == name or path.startswith((name + ".", name + "[", name + " ")):
+            return name
+    return None
+
+
+def set_apart(stage: str, category: Category, unused: set[str], apart: dict[str, list[Entry]]) -> Category:
+    """``category`` without the entries of ``unused`` streams, which go to ``apart`` (path ``stage/...``)."""
+    keep, tensors = [], category.tensors
+    for e in category.entries:
+        name = stream_of(stage, e.path, unused)
+        if name is None:
+            keep.append(e)
+        else:
+            apart.setdefault(name, []).append(Entry(f"{stage}/{e.path}", e.message, e.tensor))
+            tensors -= e.tensor is not None
+    summary = _summary(stage, keep, tensors) if stage == category.name else category.summary
+    return Category(category.name, summary, keep, tensors)  # counts only what it still compares
+
+
+def compare(a: Record, b: Record) -> tuple[list[Category], dict[str, list[Entry]]]:
+    """Every stage of two processes' records, in causal order; and apart, the differences of the RNG streams
+    neither update drew from (only ``ts.diff``'s ``rng`` category and the draws can hold them)."""
+    unused, apart = unused_streams(a, b), {}
     before, after = diff(a.before, b.before), diff(a.after, b.after)
-    out = [from_diff("contract", [before.category("contract")]),
-           from_diff("state", [c for c in before.categories if c.name != "contract"])]
-    out += [compare_records(a, b, s) for s in ("batch", "rng", "lr", "loss", "grads")]
-    out.append(from_diff("updated", [c for c in after.categories if c.name != "contract"]))
-    return out
+
+    def folded(stage: str, report: DiffReport) -> Category:
+        return from_diff(stage, [set_apart(stage, c, unused, apart) if c.name == "rng" else c
+                                 for c in report.categories if c.name != "contract"])
+
+    out = [from_diff("contract", [before.category("contract")]), folded("state", before),
+           compare_records(a, b, "batch"), set_apart("rng", compare_records(a, b, "rng"), unused, apart)]
+    out += [compare_records(a, b, s) for s in ("lr", "loss", "grads")]
+    out.append(folded("updated", after))
+    return [_marked(c, apart) for c in out], apart
+
+
+def _marked(stage: Category, apart: dict[str, list[Entry]]) -> Category:
+    """A stage whose summary says which unused streams were set apart from it (its "identical" is then
+    about everything else)."""
+    names = [n for n, entries in apart.items() if any(e.path.startswith(stage.name + "/") for e in entries)]
+    if not names:
+        return stage
+    summary = f"{stage.summary} [set apart, never drawn from by the update: {', '.join(sorted(names))}]"
+    return Category(stage.name, summary, stage.entries, stage.tensors)
 
 
 # processes -------------------------------------------------------------------------------------------------
@@ -345,7 +422,8 @@ def _read(job: dict[str, Any]) -> Record:
         meta = json.loads(f.metadata()["doctor"])
         for name in meta["order"]:
             tensors[name] = f.get_tensor(name)
-    return Record(job["role"], tensors, meta["values"], meta["notes"], out / "before", out / "after")
+    return Record(job["role"], tensors, meta["values"], meta["notes"], out / "before", out / "after",
+                  meta.get("streams", {}))
 
 
 def doctor(run: str | Path, factory: str, step: str, *, against: str | Path | None = None,
@@ -374,12 +452,16 @@ def doctor(run: str | Path, factory: str, step: str, *, against: str | Path | No
         _run_children(jobs, work, timeout_s)
         records = [_read(j) for j in jobs]
         resumed, reference = records[0], records[-1]
-        stages = compare(resumed, reference)
-        again = compare(resumed, records[1]) if repeat else None
-    first, reproducible, diagnosis = diagnose(stages, again, against is not None)
+        stages, unused = compare(resumed, reference)
+        again, unused_again = compare(resumed, records[1]) if repeat else (None, {})
+    for name, entries in unused_again.items():
+        unused.setdefault(name, []).extend(Entry(f"repeat:{e.path}", e.message, e.tensor) for e in entries)
+    first, reproducible, diagnosis = diagnose(stages, again, against is not None, unused)
     notes = {r.role: r.notes for r in records if r.notes}
+    drawn = {r.role: sorted(n for n, moved in r.streams.items() if moved) for r in records}
     return DoctorReport(str(run), generation, update, described, first is None and reproducible is not False, first,
-                        reproducible, diagnosis, stages, again or [], notes)
+                        reproducible, diagnosis, stages, again or [], notes, unused=dict(sorted(unused.items())),
+                        drawn=drawn)
 
 
 def render(report: DoctorReport) -> str:
@@ -391,6 +473,14 @@ def render(report: DoctorReport) -> str:
         lines += [f"    {e.path}: {e.message}" for e in c.entries[:20]]
         if len(c.entries) > 20:
             lines.append(f"    ... and {len(c.entries) - 20} more")
+    if report.unused:
+        lines.append(f"unused streams differ (cannot explain drift): {', '.join(report.unused)}")
+        lines += [f"    {e.path}: {e.message}" for entries in report.unused.values() for e in entries[:4]]
+    if report.drawn:
+        drawn = {", ".join(names) or "none" for names in report.drawn.values()}
+        lines += [f"RNG streams the update drew from: {drawn.pop()}"] if len(drawn) == 1 else [
+            f"RNG streams the {role}'s update drew from: {', '.join(names) or 'none'}"
+            for role, names in report.drawn.items()]
     if report.reproducible is False:
         lines.append("two fresh restores of the same generation:")
         lines += [f"  {c.summary}" for c in report.repeat if c.entries]

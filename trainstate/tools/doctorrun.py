@@ -12,7 +12,9 @@ threads, DataLoader workers) reaches what is compared. Call order:
 3. save the state before the update as a generation in ``OUT/before`` (the parent compares it with ``ts.diff``);
 4. peek the first draws of every RNG stream, on copies (the live streams are never drawn from);
 5. run the step once, recording: each ``ResumableLoader`` batch handed out (sample ids and tensors), each
-   registered module's first forward input, each optimizer's LR and gradients when it steps, the loss;
+   registered module's first forward input, each optimizer's LR and gradients when it steps, the loss; and
+   whether the update drew from each RNG stream (its state just before and just after the step, in this
+   process: a stream the update never moved cannot explain a drift, however it differs from the reference);
 6. record the LR each group holds after the update; save the state as ``OUT/after``;
 7. write ``OUT/record.safetensors``: every observation as a tensor, the rest in its JSON metadata. No pickle.
 
@@ -21,6 +23,7 @@ A failure is written to ``OUT/error.json`` (type and message) and the process ex
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sys
@@ -40,6 +43,7 @@ from ..format import signing
 from ..lifecycle.rehearsal import load_factory
 from ..manager import CheckpointManager
 from ..restore import restore
+from ..state import rng as rngstate
 from ..state.train_state import TrainState
 from ..storage.locate import open_existing
 
@@ -166,6 +170,49 @@ def _draw_copy(rng: Any) -> torch.Tensor:
     return torch.tensor([copy.random() for _ in range(DRAWS)], dtype=torch.float64)
 
 
+def stream_digests(state: TrainState) -> dict[str, str]:
+    """A digest of each RNG stream's state, by the name ``ts.diff`` gives it (``rng.python``, ``rng.named.X``).
+
+    The global streams are judged whether or not the state captures them: the update may draw from them
+    either way. CUDA streams count as one (``rng.torch_cuda``), as the checkpoint records them."""
+    captured = rngstate.capture(state.rngs, include_globals=True)
+    named = captured.pop("named")
+    streams = {f"rng.{k}": v for k, v in captured.items() if k != "torch_cuda" or v}
+    streams.update({f"rng.named.{k}": v for k, v in named.items()})
+    return {name: _digest(value) for name, value in streams.items()}
+
+
+def _digest(value: Any) -> str:
+    """Stable across two calls in one process: the bytes of every array, the repr of every other leaf."""
+    h = hashlib.sha256()
+
+    def feed(node: Any) -> None:
+        if isinstance(node, torch.Tensor):
+            h.update(node.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(node, np.ndarray):
+            h.update(np.ascontiguousarray(node).tobytes())
+        elif isinstance(node, dict):
+            for key in sorted(node, key=str):
+                h.update(repr(key).encode())
+                feed(node[key])
+        elif isinstance(node, (list, tuple)):
+            h.update(f"[{len(node)}".encode())
+            for item in node:
+                feed(item)
+        else:
+            h.update(repr(node).encode())
+        h.update(b";")
+
+    feed(value)
+    return h.hexdigest()
+
+
+def drawn_from(before: dict[str, str], after: dict[str, str]) -> dict[str, bool]:
+    """Per stream, whether the update moved it (a stream present on one side only counts as moved)."""
+    return {name: before.get(name) != after.get(name) for name in list(before) + [n for n in after
+                                                                                 if n not in before]}
+
+
 def one_update(state: TrainState, step: Callable[[TrainState], Any]) -> Any:
     """The step runs one update; ``next_update`` is advanced here when the step did not advance it."""
     before = state.next_update
@@ -208,9 +255,11 @@ def run(job: dict[str, Any]) -> None:
         notes = _reach(job, state, step)
         _save(state, out / "before")
         draws = peek_draws(state)
+        streams = stream_digests(state)
         recorder.on = True
         loss = one_update(state, step)
         recorder.on = False
+        drawn = drawn_from(streams, stream_digests(state))  # now: the save below is no draw of the update's
         _save(state, out / "after")
     for name, component in state.components.items():
         if isinstance(component, torch.optim.Optimizer):
@@ -223,7 +272,7 @@ def run(job: dict[str, Any]) -> None:
         if message not in notes:
             notes.append(message)
     meta = {"role": job["role"], "update": job["update"], "values": recorder.values, "notes": notes,
-            "order": list(tensors)}
+            "streams": drawn, "order": list(tensors)}
     save_file(tensors, str(out / "record.safetensors"), metadata={"doctor": json.dumps(meta)})
 
 
