@@ -606,6 +606,96 @@ def object_store(out: Path) -> dict:
             "rank_differs": same(rank_state(resumed), want_rank)}
 
 
+@scenario
+def rank0_only_save(out: Path) -> dict:
+    """Issue 29 item 4: the DDP tutorial's `if rank == 0: save(...)`. Rank 0 must fail within the join timeout
+    ($TRAINSTATE_SAVE_JOIN_TIMEOUT_S), not the collective timeout, with SaveNotJoined naming rank 1; rank 1, which
+    went on training, learns of it when rank 0's process ends, as under a real uncaught error."""
+    rank, run = dist.get_rank(), out / "run"
+    state = build("ddp")
+    result: dict = {"ok": True}
+    started = time.monotonic()
+    try:
+        with manager(run) as ckpt:
+            train(state, 2)
+            started = time.monotonic()
+            if rank == 0:  # the habit from torch.save code
+                ckpt.save(state)
+            train(state, 1)  # rank 1: the next update's allreduce waits for rank 0
+        result["outcome"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - every rank reports what it saw
+        result.update(outcome=type(exc).__name__, message=str(exc)[:1500], missing=getattr(exc, "missing", None),
+                      checkpoint_failed=isinstance(exc, ts.errors.CheckpointFailed))
+    result["seconds_to_raise"] = round(time.monotonic() - started, 2)
+    if rank == 0:
+        result.update(generations=sorted(n for n in os.listdir(run) if n.startswith("gen-")), leftovers=_leftovers(run))
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    os._exit(3)  # as a script whose save raised: the process ends, torchrun tears the job down
+
+
+def _sized(mode: str, seed: int = 0) -> ts.TrainState:
+    """A model of a few MiB with Adam moments (bytes, not metadata, dominate the counts), FSDP2 or DDP."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                torch.nn.ReLU(), torch.nn.Linear(1024, 64))
+    if mode == "fsdp":
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return ts.TrainState(model=model, optimizer=opt, contract={"config": {"mode": mode}},
+                         rngs={"noise": torch.Generator().manual_seed(seed + dist.get_rank())})
+
+
+def _sized_steps(state: ts.TrainState, n: int) -> None:
+    for _ in range(n):
+        x = torch.randn(8, 64, generator=state.rngs["noise"])
+        state["model"](x).square().mean().backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+        state.next_update += 1
+
+
+@scenario
+def object_restore(out: Path) -> dict:
+    """Issue 34: one phase per launch ($TRAINSTATE_TEST_S3: url, storage_options, phase, mode), so that the test
+    counts the restore's requests alone through a proxy. ``save`` writes the generation and a reference of the
+    full state; ``restore`` restores into fresh objects and compares."""
+    remote = json.loads(os.environ["TRAINSTATE_TEST_S3"])
+    url, opts, mode = remote["url"], remote["storage_options"], remote["mode"]
+    ref = Path(remote["reference"])
+    if remote["phase"] == "save":
+        state = _sized(mode)
+        _sized_steps(state, 2)
+        with ts.CheckpointManager(url, storage_options=opts, collective_timeout_s=TIMEOUT_S) as ckpt:
+            info = ckpt.save(state)
+        save_ref(ref, full_state_of(state))
+        return {"generation": info.name, "size": info.size}
+    fresh = _sized(mode, seed=5)
+    started = time.monotonic()
+    with ts.CheckpointManager(url, storage_options=opts, collective_timeout_s=TIMEOUT_S) as ckpt:
+        info = ckpt.restore(fresh)
+    seconds = time.monotonic() - started
+    return {"generation": info.generation.name, "seconds": round(seconds, 3),
+            "differs": same(full_state_of(fresh), load_file(str(ref)))}
+
+
+def full_state_of(state: ts.TrainState) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors gathered to full tensors (a collective)."""
+    model, opt = state["model"], state["optimizer"]
+    out = {f"model.{k}": (v.full_tensor() if isinstance(v, DTensor) else v.detach()).clone()
+           for k, v in get_model_state_dict(model).items()}
+    for key, entry in get_optimizer_state_dict(model, opt)["state"].items():
+        for name, value in entry.items():
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            out[f"optim.{key}.{name}"] = value.detach().clone() if isinstance(value, torch.Tensor) else \
+                torch.tensor(value)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def main() -> int:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("gloo")

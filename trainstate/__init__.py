@@ -25,12 +25,13 @@ from .data.files import data_manifest
 from .data.loader import ResumableLoader
 from .data.mixture import Mixture
 from .data.samplerng import SampleIndex, sample_generator
-from .errors import (EXIT_PERMANENT, ContinuationWarning, ContractMismatch, CorruptGeneration, DataMismatch,
-                     DirectoryLocked, ExistingRun, FieldChange, GenerationExists, GenerationNotFound, InsufficientSpace,
-                     InvalidArgument, InvalidType, NoValidGeneration, PendingGradients, PinNotFound, PointerRollback,
-                     ReadOnlyDirectory, Rejection, RunDirectoryGone, StaleIterator, StateMismatch, StateUnusable,
-                     StorageAccessDenied, StorageNotFound, StorageUnavailable, TopologyMismatch, TrainStateError,
-                     UnsupportedValue, WeightsOnlyGeneration, exit_code_for)
+from .errors import (EXIT_PERMANENT, AbandonedIteratorWarning, CheckpointFailed, ContinuationWarning, ContractMismatch,
+                     CorruptGeneration, DataMismatch, DirectoryLocked, ExistingRun, FieldChange, GenerationExists,
+                     GenerationNotFound, InsufficientSpace, InvalidArgument, InvalidType, NoValidGeneration,
+                     PendingGradients, PinNotFound, PointerRollback, ReadOnlyDirectory, Rejection, RunDirectoryGone,
+                     SaveNotJoined, StaleIterator, StateMismatch, StateUnusable, StorageAccessDenied, StorageNotFound,
+                     StorageUnavailable, TopologyMismatch, TrainStateError, UnsupportedValue, WeightsOnlyGeneration,
+                     exit_code_for)
 from .format.signing import SigningKey
 from .lifecycle.done import DoneRecord, DoneStatus, done
 from .lifecycle.preemption import EXIT_PREEMPTED, PreemptionHandler
@@ -46,8 +47,10 @@ from .tools.export import ExportInfo, export
 from .warmstart import WarmStartInfo, warm_start
 
 __all__ = [
+    "AbandonedIteratorWarning",
     "AsyncSaveFailed",
     "Cadence",
+    "CheckpointFailed",
     "CheckpointManager",
     "ContinuationWarning",
     "ContractMismatch",
@@ -84,6 +87,7 @@ __all__ = [
     "RunDirectoryGone",
     "SampleIndex",
     "SaveHandle",
+    "SaveNotJoined",
     "SigningKey",
     "StaleIterator",
     "StateMismatch",

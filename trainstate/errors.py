@@ -23,6 +23,7 @@ describes the same situation, the subclass inherits it too, so existing
     ├── PinNotFound(KeyError)            no pin of that name
     ├── StaleIterator(RuntimeError)      an iterator used after a newer one replaced it
     ├── CheckpointFailed(RuntimeError)   a multi-rank save or restore failed on some rank (named)
+    │   └── SaveNotJoined                not every rank entered a (collective) save
     ├── PointerRollback                  ``latest`` names an older generation than a newer valid one
     ├── InsufficientSpace(OSError)       the disk cannot hold the next generation (errno ENOSPC)
     ├── ReadOnlyDirectory(PermissionError) saving into a directory this process cannot write
@@ -166,6 +167,10 @@ class ContinuationWarning(UserWarning):
     """Some randomness continues only statistically, not bitwise, after a restore."""
 
 
+class AbandonedIteratorWarning(ContinuationWarning):
+    """A loader iterator was abandoned mid-epoch and a new one continued: the batches it handed out are consumed."""
+
+
 class WeightsOnlyGeneration(TrainStateError):
     """A weights-only generation was asked to act as a full resume."""
 
@@ -225,6 +230,22 @@ class CheckpointFailed(TrainStateError, RuntimeError):
                 "restarted (torchrun --max-restarts, or your scheduler), resuming from the last generation.")
         super().__init__(f"checkpoint {phase} failed on {ranks}: {detail[:2000]}. Nothing of it was published; "
                          f"the previous generation stands." + (hint if peer_lost else ""))
+
+
+class SaveNotJoined(CheckpointFailed):
+    """A multi-rank save that not every rank entered in time: ``save`` is collective.
+
+    Raised on the ranks that did enter, after the join timeout rather than the
+    collective timeout. ``missing`` lists the ranks that did not join when
+    known (rank 0 coordinates the join and knows them), ``waited_s`` how long
+    this rank waited. Nothing was written.
+    """
+
+    def __init__(self, message: str, missing: list[int] | None = None, waited_s: float | None = None):
+        self.missing, self.waited_s = (None if missing is None else list(missing)), waited_s
+        self.phase, self.peer_lost = "join", False
+        self.failures = {r: "did not enter save" for r in self.missing or ()}
+        RuntimeError.__init__(self, message)  # the message is the caller's, not CheckpointFailed's
 
 
 class StaleIterator(TrainStateError, RuntimeError):
@@ -303,7 +324,7 @@ EXIT_PERMANENT = 78
 PERMANENT = (ContractMismatch, DataMismatch, InvalidArgument, InvalidType, UnsupportedValue, PendingGradients,
              TopologyMismatch, StateMismatch, WeightsOnlyGeneration, NoValidGeneration, ExistingRun,
              GenerationExists, PointerRollback, InsufficientSpace, ReadOnlyDirectory, RunDirectoryGone,
-             StorageAccessDenied, StorageNotFound, StaleIterator)
+             StorageAccessDenied, StorageNotFound, StaleIterator, SaveNotJoined)
 
 
 def exit_code_for(exc: BaseException) -> int:

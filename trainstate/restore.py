@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ from .storage.verify import Verified, decode_verified, preview_headers, tensor_f
 log = logging.getLogger("trainstate")
 IN_PLACE_BYTES = 256 << 20  # restore(in_place=None) loads in place above this much tensor data
 
+WholeCheck = Callable[[Store, Manifest, SigningKey | None], dict]  # checks a multi-rank generation whole
 Chosen = tuple[Verified, dict[str, Any], str]  # the generation, its decoded payload, how it loads (see load)
 _UNUSABLE: weakref.WeakKeyDictionary[TrainState, str] = weakref.WeakKeyDictionary()
 
@@ -151,7 +152,7 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
 
 
 def choose(store: Store, key: SigningKey | None, generation: str | None, preview: bool | None = False,
-           skip: list[Rejection] = (), meter: Bar | None = None, reader: bool = False
+           skip: list[Rejection] = (), meter: Bar | None = None, reader: WholeCheck | None = None
            ) -> tuple[Chosen | None, tuple[Rejection, ...]]:
     """The generation to restore, verified and decoded, and the rejections on the way to it (see
     :func:`candidates`).
@@ -353,7 +354,7 @@ def check_run(manifest: Manifest, run: str | None) -> None:
 
 
 def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | None, preview: bool | None,
-         run: str | None = None, meter: Bar | None = None, reader: bool = False) -> Chosen:
+         run: str | None = None, meter: Bar | None = None, reader: WholeCheck | None = None) -> Chosen:
     """Verify a generation completely while decoding it; any defect is a CorruptGeneration.
 
     The payload and how it loads: ``"stream"`` for a ``blake3-chunked``
@@ -363,16 +364,16 @@ def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | Non
     (``None``: when its tensor files exceed ``IN_PLACE_BYTES``; every byte
     digested, large tensors kept as meta placeholders, a second pass loads
     in place); else ``"fresh"``: every tensor verified into fresh memory.
-    ``reader``: the caller only reads the run (``trainstate ls``): a multi-rank
-    generation is then checked whole (``"multi-rank"``), where a single-process
-    restore refuses it.
+    ``reader``: the caller only reads the run (``trainstate ls``) and passes how a
+    multi-rank generation is checked whole
+    (:func:`trainstate.distributed.load.check_whole`); it is then returned as
+    ``"multi-rank"``, where a single-process restore refuses it.
     """
     verified = verify_generation(store, name, pointer, content=False, key=key)
     manifest = verified.manifest
     check_run(manifest, run)
-    if manifest.ranks and reader:  # choosing a recovery point needs no ranks, only the checks they would make
-        from .distributed.load import check_whole  # imports this module
-        return verified, check_whole(store, manifest, key), "multi-rank"
+    if manifest.ranks and reader is not None:  # a recovery point needs no ranks, only the checks they would make
+        return verified, reader(store, manifest, key), "multi-rank"
     if manifest.ranks:
         raise StateMismatch(
             f"{name} was written by {manifest.world_size} ranks (torch.distributed): restore it under torchrun, "

@@ -20,6 +20,7 @@ from ..format.manifest import POINTER, WEIGHTS_POINTER, Manifest, generation_ord
 from ..format.signing import SigningKey
 from ..lifecycle.generations import Lifecycle, policy_from_record
 from ..lifecycle.retention import Plan, Retention, superseded_by
+from ..distributed.load import check_whole
 from ..restore import choose, recovery_point
 from ..storage.base import Store
 from ..storage.verify import verify_generation
@@ -46,7 +47,7 @@ def find_recovery(store: Store, key: SigningKey | None, quick: bool) -> Recovery
     quiet = _Quiet()  # what restore would log is in the report instead
     logging.getLogger("trainstate").addFilter(quiet)
     try:
-        chosen, rejected = choose(store, key, None, preview=True, reader=True)
+        chosen, rejected = choose(store, key, None, preview=True, reader=check_whole)
     except NoValidGeneration as exc:
         return Recovery(None, "digests", [{"generation": r.generation, "reason": r.reason} for r in exc.rejections],
                         "no full generation verifies")

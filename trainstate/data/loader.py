@@ -22,7 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from ..errors import ContinuationWarning, DataMismatch, InvalidArgument, InvalidType, StaleIterator
+from ..errors import (AbandonedIteratorWarning, ContinuationWarning, DataMismatch, InvalidArgument, InvalidType,
+                      StaleIterator)
+from .facade import EpochSampler, abandoned_message, batch_indices, build_batch
 from .order import DEFAULT_ORDER, ORDERS, SORT_V1, Plan, derive, ids_digest
 from .samplerng import SampleIndex
 from .workers import EndWithParent, WatchGlobalDraws
@@ -53,13 +55,8 @@ class _EpochBatches(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[SampleIndex]]:
         epoch, seed, batches = self.epoch, self.seed, self.batches
-        keyed = getattr(batches, "keyed", None)  # a mixture keys each sample by its source's epoch
         for i in range(self.start, len(batches)):
-            ids, epochs = keyed(i) if keyed is not None else (batches[i], None)
-            if epochs is None:
-                yield [SampleIndex(j, epoch, seed) for j in ids.tolist()]
-            else:
-                yield [SampleIndex(j, e, seed) for j, e in zip(ids.tolist(), epochs.tolist())]
+            yield batch_indices(batches, i, epoch, seed)
 
     def __len__(self) -> int:
         return len(self.batches) - self.start
@@ -80,7 +77,7 @@ def _distributed_default(rank: int | None, world_size: int | None) -> tuple[int,
 
 
 class ResumableLoader:
-    """A ``torch.utils.data.DataLoader`` that resumes mid-epoch, bitwise.
+    """A data loader (built on ``torch.utils.data.DataLoader``) that resumes mid-epoch, bitwise.
 
     Register it in the :class:`~trainstate.TrainState` like any component::
 
@@ -94,7 +91,15 @@ class ResumableLoader:
                 state.next_update += 1
 
     Iterating yields the rest of the current epoch from the cursor; the epoch
-    advances when its last batch is handed out. The order of each epoch is a
+    advances when its last batch is handed out. A batch counts as consumed
+    once an iterator hands it out (that is what makes a resume exact), so
+    ``next(iter(loader))`` uses up a batch: a new iterator continues after it,
+    with an :class:`~trainstate.errors.AbandonedIteratorWarning` unless a save
+    came in between. :meth:`peek` looks at the next batch without consuming
+    it. DataLoader's ``batch_size``, ``dataset``, ``drop_last`` and
+    ``num_workers`` are there; ``sampler.set_epoch(e)`` is a no-op for the
+    loader's own epoch and refuses any other (the loader keeps its epoch
+    itself), and ``len(sampler)`` is this rank's samples per epoch. The order of each epoch is a
     function of ``(seed, epoch)``; ``rank``/``world_size`` (default: from
     ``torch.distributed`` when initialised) shard it like
     ``DistributedSampler``, with ``uneven="pad"`` (repeat the first indices so
@@ -165,6 +170,9 @@ class ResumableLoader:
         self._active: object | None = None
         self._cache: tuple[tuple, Sequence[np.ndarray]] | None = None
         self._sampler = _EpochBatches()
+        self._taken = 0  # batches of this epoch handed out by the latest iterator and not yet saved
+        self.dataset = dataset  # the caller's, as DataLoader.dataset; workers see a wrapper
+        self.sampler = EpochSampler(self)
         workers = loader_kwargs.get("num_workers", 0)
         self._flag = None
         if workers:
@@ -173,7 +181,6 @@ class ResumableLoader:
             self._flag = ctx.RawValue("b", 0)
             dataset = WatchGlobalDraws(dataset, self._flag)
             loader_kwargs["worker_init_fn"] = EndWithParent(loader_kwargs.get("worker_init_fn"))
-        self.dataset = dataset
         self.loader = DataLoader(dataset, batch_sampler=self._sampler, **loader_kwargs)
 
     # iteration ---------------------------------------------------------------
@@ -188,7 +195,13 @@ class ResumableLoader:
             self._cache = ((epoch, start, self.plan), self.plan.batches(epoch, start))
         return self._cache[1]
 
+    batch_size = property(lambda self: self.plan.batch_size, doc="Samples per batch on this rank, as DataLoader's.")
+    drop_last = property(lambda self: self.plan.drop_last, doc="Whether an incomplete last batch is dropped.")
+    num_workers = property(lambda self: self.loader.num_workers, doc="The DataLoader's worker processes.")
+
     def __iter__(self) -> Iterator[Any]:
+        if self._taken:
+            self._warn_abandoned()
         token = object()
         self._active = token
         epoch, batches = self.epoch, self.epoch_batches(self.epoch)
@@ -215,16 +228,33 @@ class ResumableLoader:
             if self._expected is not None:
                 self._check_expected(epoch, self.cursor, ids)
             self.cursor += 1
+            self._taken += 1
             self.samples_seen += len(ids)
             if self.count_tokens is not None:
                 self.tokens_seen += int(self.count_tokens(batch))
             self.last_ids = ids
             if self.cursor == len(batches):
-                self.epoch, self.cursor, self.start = epoch + 1, 0, 0
+                self.epoch, self.cursor, self.start, self._taken = epoch + 1, 0, 0, 0
             self._note_global_draws()
             yield batch
         if self._active is token and self.epoch == epoch:
             raise DataMismatch(f"the DataLoader stopped after batch {self.cursor} of {len(batches)} in epoch {epoch}")
+
+    def peek(self) -> Any:
+        """The batch the next iteration hands out first, without consuming it.
+
+        Position, epoch and every RNG stay as they were (see
+        :func:`~trainstate.data.facade.build_batch`). Use it where a DataLoader
+        script peeks with ``next(iter(loader))``, which here consumes a batch.
+        """
+        indices = batch_indices(self.epoch_batches(self.epoch), self.cursor, self.epoch, self.plan.seed)
+        return build_batch(self.dataset, indices, self.loader.collate_fn)
+
+    def _warn_abandoned(self) -> None:
+        taken, self._taken = self._taken, 0
+        message = abandoned_message(self.epoch, self.cursor, taken)
+        warnings.warn(message, AbandonedIteratorWarning, stacklevel=3)
+        log.warning("%s", message)
 
     def replay(self, epoch: int = 0) -> Iterator[Any]:
         """Iterate all of ``epoch`` without moving the position: for a fixed validation pass.
@@ -257,6 +287,7 @@ class ResumableLoader:
         return self.plan.as_dict()
 
     def state_dict(self) -> dict[str, Any]:
+        self._taken = 0  # saved: the batches handed out so far are recorded as used
         saved = {"epoch": self.epoch, "cursor": self.cursor, "samples_seen": self.samples_seen,
                  "tokens_seen": self.tokens_seen, "plan": self.plan.as_dict(), "next_batch": self.next_batch(),
                  "worker_global_draws": self._global_draws()}
@@ -304,7 +335,7 @@ class ResumableLoader:
         self.samples_seen, self.tokens_seen = saved["samples_seen"], saved["tokens_seen"]
         # after an allowed reweight the next batch is deliberately another one than the checkpoint recorded
         self._expected = None if reweighted else dict(saved["next_batch"])
-        self._active = None
+        self._active, self._taken = None, 0
         self._warnings = []
         self._warned_draws = False
         self._global_draws_seen = bool(saved.get("worker_global_draws"))

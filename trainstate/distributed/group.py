@@ -6,7 +6,11 @@ a timeout of their own, so that a hung or killed rank makes the survivors
 raise :class:`CheckpointFailed` instead of waiting out the training group's
 30-minute default. One group serves the caller's thread (restore, blocking
 saves, ``wait``/``close``), another the background writer: two threads never
-interleave collectives on one group.
+interleave collectives on one group. A third group, with a short timeout of
+its own, runs only the join that opens each save (:meth:`Ranks.join`): a
+save that only some ranks entered (``if rank == 0: save(...)``) fails there
+in seconds, naming the ranks that stayed away, instead of waiting out the
+collective timeout and blaming a dead peer.
 
 Values cross ranks as JSON in uint8 tensors, never as pickles.
 """
@@ -16,6 +20,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
+import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointFailed, TrainStateError
+from ..errors import CheckpointFailed, InvalidArgument, SaveNotJoined, TrainStateError
 
 DEFAULT_TIMEOUT_S = 600.0
+JOIN_TIMEOUT_S = 30.0  # how far behind the others a rank may enter save; at most the collective timeout
+JOIN_TIMEOUT_ENV = "TRAINSTATE_SAVE_JOIN_TIMEOUT_S"
 
 
 @dataclass
@@ -36,6 +45,9 @@ class Ranks:
     world_size: int
     group: Any  # a gloo ProcessGroup
     timeout_s: float
+    join_group: Any = None  # a gloo group with timeout join_timeout_s, for join() only
+    join_timeout_s: float = 0.0
+    unjoined: SaveNotJoined | None = None  # a failed join: saves are out of step for good
 
     @property
     def is_coordinator(self) -> bool:
@@ -90,8 +102,34 @@ class Ranks:
         raise CheckpointFailed(phase, failed)
 
     def barrier(self, phase: str) -> None:
+        if self.unjoined is not None:  # a save some ranks never entered: they are elsewhere (training), so
+            return  # waiting for them here would only hold back that error for the collective timeout
         with collective(phase, self):
             dist.barrier(group=self.group)
+
+    # the join that opens a save ------------------------------------------------------
+    def join(self, what: str = "save") -> None:
+        """Return once every rank has entered ``what``; raise :class:`SaveNotJoined` after the join timeout.
+
+        A monitored barrier on the join group: rank 0 names every rank that
+        did not arrive; another rank learns only that rank 0 did not confirm.
+        A timeout there breaks the join group (gloo aborts its pending
+        operations), so every later save of this manager refuses at once.
+        """
+        if self.join_group is None or self.world_size == 1:
+            return
+        if self.unjoined is not None:
+            raise SaveNotJoined(f"{self.unjoined} (raised earlier; this manager cannot {what} again in this "
+                                "process: restart the job)", self.unjoined.missing, 0.0)
+        started = time.monotonic()
+        try:
+            dist.monitored_barrier(group=self.join_group, timeout=datetime.timedelta(seconds=self.join_timeout_s),
+                                   wait_all_ranks=True)
+        except RuntimeError as exc:
+            if self.rank != 0 and "timed out" not in str(exc).lower():  # a reset connection: rank 0 is gone
+                raise CheckpointFailed("join", {-1: f"{type(exc).__name__}: {exc}"}, peer_lost=True) from exc
+            self.unjoined = _not_joined(self.rank, what, self.join_timeout_s, str(exc), time.monotonic() - started)
+            raise self.unjoined from exc
 
 
 def _encode(value: Any) -> bytes:
@@ -128,11 +166,42 @@ def collective(phase: str, ranks: Ranks | None = None) -> Iterator[None]:
         raise
 
 
+def _not_joined(rank: int, what: str, timeout_s: float, error: str, waited_s: float) -> SaveNotJoined:
+    """The error of a failed join, from what gloo's monitored barrier reported on this rank."""
+    named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", error) if rank == 0 else None
+    missing = [int(r) for r in named.group(1).replace(" ", "").split(",") if r] if named else None
+    who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not enter {what}"
+           if missing else f"rank 0, which coordinates the join, did not confirm that every rank entered {what} "
+           "(either rank 0 did not call it, or another rank did not: rank 0's error names it)")
+    return SaveNotJoined(
+        f"{what} is collective: every rank must call ckpt.{what}(state) at the same update, but {who} within "
+        f"{timeout_s:g} s of rank {rank} entering it. A guard like `if rank == 0: ckpt.{what}(...)`, kept from "
+        f"torch.save code, does this: call it on every rank (each rank writes its own shard, rank 0 the rest). "
+        f"Nothing was written; the previous generation stands. If every rank does call {what} but one arrives "
+        f"more than {timeout_s:g} s after the others (rank-0-only work before it), set {JOIN_TIMEOUT_ENV} higher.",
+        missing, round(waited_s, 3))
+
+
+def join_timeout(timeout_s: float) -> float:
+    """``$TRAINSTATE_SAVE_JOIN_TIMEOUT_S``, else the default; never above the collective timeout."""
+    raw = os.environ.get(JOIN_TIMEOUT_ENV)
+    if raw is None:
+        return min(timeout_s, JOIN_TIMEOUT_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise InvalidArgument(f"{JOIN_TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return min(timeout_s, value)
+
+
 def checkpoint_groups(group: Any, timeout_s: float) -> tuple[Ranks, Ranks]:
-    """Two gloo groups over the ranks of ``group`` (default: the world), for the caller and the writer."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    """Gloo groups over the ranks of ``group`` (default: the world): the caller's (with the join group that
+    opens each save) and the writer's."""
+    joining = join_timeout(timeout_s)
     members = None if group is None else dist.get_process_group_ranks(group)
-    made = [dist.new_group(ranks=members, backend="gloo", timeout=timeout, use_local_synchronization=False)
-            for _ in range(2)]
+    made = [dist.new_group(ranks=members, backend="gloo", timeout=datetime.timedelta(seconds=seconds),
+                           use_local_synchronization=False) for seconds in (timeout_s, timeout_s, joining)]
     rank, world = dist.get_rank(made[0]), dist.get_world_size(made[0])
-    return Ranks(rank, world, made[0], timeout_s), Ranks(rank, world, made[1], timeout_s)
+    return Ranks(rank, world, made[0], timeout_s, made[2], joining), Ranks(rank, world, made[1], timeout_s)

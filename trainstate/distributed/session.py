@@ -63,6 +63,7 @@ class Session:
         if include_grads:
             raise InvalidArgument("include_grads=True is not supported in a multi-rank run; save after "
                                   "optimizer.step() (and zero_grad)")
+        self.fg.join("save")  # first: a save only some ranks entered fails here in seconds, by name
         error = None
         if self.rank == 0:
             try:
