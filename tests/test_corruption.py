@@ -474,7 +474,7 @@ def test_save_after_run_damage_keeps_every_other_generation(run, pristine, damag
 
 def test_undamaged_directory_verifies_and_restores_latest(run, pristine, capsys):
     rc, report = verify_json(run, capsys)
-    assert rc == 0 and report == {"verified": list(GENS), "failures": []}
+    assert rc == 0 and report == {"verified": list(GENS), "failures": [], "signature": "absent", "authenticated": False}
     for name in GENS:
         assert cli.main(["verify", str(run / name)]) == 0
     state, info = restore_fresh(run)

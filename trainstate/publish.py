@@ -234,10 +234,25 @@ class Publisher:
             raise
         if p.kind == "full" and self.rehearse_factory is not None:
             self.rehearse_new(p.name)
-        point_at(self.store, verified, self.key)
+        try:
+            point_at(self.store, verified, self.key)
+        except BaseException:
+            self.withdraw(p.name, p.kind)
+            raise
         self.published = p.name  # durably: from here on the save has succeeded, whatever happens next
         self.was_published_as(p.prepared, p.name)
         return GenerationInfo.from_verified(self.store, verified)
+
+    def withdraw(self, name: str, kind: str) -> None:
+        """The pointer move failed: a save that raises publishes nothing, so the committed generation goes,
+        unless the pointer names it after all (the rename landed, a later step failed). Best effort: left
+        behind, it is complete and verified, and a restart rolls forward to it (see restore.candidates)."""
+        try:
+            if self.committed_name(kind) != name:
+                self.store.remove(name)
+        except Exception as exc:  # the failure that brought us here is what the caller must see
+            log.error("could not remove %s after its pointer move failed (%r); it is complete and verified, and a "
+                      "restart may resume from it", name, exc)
 
     def was_published_as(self, prepared: str, name: str) -> None:
         """A save prepared as ``prepared`` ended up as ``name``: a save prepared before this was known (a

@@ -247,6 +247,7 @@ def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: P
             publisher.published = pending.name
             outcome = {"info": dataclasses.asdict(GenerationInfo.from_verified(store, verified))}
         except (TrainStateError, OSError) as exc:
+            publisher.withdraw(pending.name, pending.kind)  # a failed save publishes nothing
             outcome = {"error": f"{type(exc).__name__}: {exc}"}
             error = exc
     shared = ranks.broadcast(outcome, "publish")

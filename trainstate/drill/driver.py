@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from ..errors import TrainStateError
+from ..errors import CorruptGeneration, TrainStateError
 from ..storage.base import Store
 from ..storage.local import LocalStore
 from ..storage.locate import open_store
-from ..format.manifest import POINTER, generation_name, parse_generation_name, parse_pointer
+from ..format.manifest import POINTER, generation_name, generation_order, parse_generation_name, parse_pointer
 from ..storage.verify import verify_generation
 from .worker import IDS_LOG, LOADER_LOG, DrillConfig, DrillError, mirror_options
 from .launch import Spawner, _Child, _Pool, _TIMEOUT, processes_holding, wait_for_exit, worker_args
@@ -357,7 +357,9 @@ def _check_restore(start: Start, child: _Child, expected: str | None, pointer: s
     """The start must have restored exactly the generation predicted after the previous kill.
 
     It may pass over the pointer only when there was none (a kill between the
-    first commit and the first pointer write), and over no generation at all.
+    first commit and the first pointer write) or when it rolled forward to the
+    one save a kill caught between its commit and its pointer move, and over no
+    generation at all.
     """
     for line in child.lines:
         word, _, rest = line.partition(" ")
@@ -368,7 +370,8 @@ def _check_restore(start: Start, child: _Child, expected: str | None, pointer: s
             start.restored = name
             fields = dict(f.split("=", 1) for f in fields)
             problems = [] if name == expected else [f"start {start.index} restored {name}; expected {expected}"]
-            if fields.get("rejected") != ("-" if pointer else POINTER if expected else "-"):
+            rolled = pointer is not None and expected is not None and expected != pointer
+            if fields.get("rejected") != (POINTER if rolled or (not pointer and expected) else "-"):
                 problems.append(f"start {start.index} rejected {fields.get('rejected')} (pointer was {pointer})")
             if fields.get("identical") != "1":
                 problems.append(f"start {start.index}: restore reports no identical continuation")
@@ -452,9 +455,20 @@ def check_remote(remote: Store, final: str | None = None) -> list[str]:
 
 
 def expected_restore(store: LocalStore) -> str | None:
-    """The pointer's generation; without a pointer (killed between the first commit and pointer), the newest."""
+    """The pointer's generation, or the one save a kill caught between its commit and its pointer move (a
+    single newer full generation whose parent is the pointer's: complete, so restore rolls forward to it);
+    without a pointer (killed between the first commit and pointer), the newest."""
     full = _full(store)
-    return _pointer_name(store) or (full[0] if full else None)
+    pointed = _pointer_name(store)
+    if pointed is None:
+        return full[0] if full else None
+    newer = [n for n in full if generation_order(n) > generation_order(pointed)]
+    try:
+        if len(newer) == 1 and verify_generation(store, newer[0], content=False).manifest.parent == pointed:
+            return newer[0]
+    except CorruptGeneration:  # damaged: passed over, the pointer's is restored
+        pass
+    return pointed
 
 
 _AIMED = {"save": "aimed inside a save", "time": "at a random moment of training", "restore": "aimed at its restore",
