@@ -696,6 +696,44 @@ def full_state_of(state: ts.TrainState) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+@scenario
+def golden_multirank_write(out: Path) -> dict:
+    """Writes tests/golden/multirank-v3 (run once, by the code before a change of the multi-rank layout): an
+    FSDP2 run saved after 3 updates, with the state after 2 more updates as the reference to continue to."""
+    state = build("fsdp")
+    with manager(out / "run") as ckpt:
+        train(state, 3)
+        ckpt.save(state)
+    train(state, 2)
+    save_ref(out / "after-full.safetensors", full_state(state))
+    save_file(rank_state(state), str(out / f"after-rank{dist.get_rank()}.safetensors"))
+    return {}
+
+
+@scenario
+def golden_multirank_read(out: Path) -> dict:
+    """The golden run (``$TRAINSTATE_TEST_SOURCE``, written by earlier code) restores at world size 2 and
+    continues bitwise; the next save (today's layout) restores too."""
+    source = Path(os.environ["TRAINSTATE_TEST_SOURCE"])
+    remote = json.loads(os.environ.get("TRAINSTATE_TEST_S3", "null"))
+    where = remote["url"] if remote else str(source / "run")
+    options = {"storage_options": remote["storage_options"]} if remote else {}
+    fresh = build("fsdp", seed=8)
+    with ts.CheckpointManager(where, collective_timeout_s=TIMEOUT_S, **options) as ckpt:
+        info = ckpt.restore(fresh)
+        train(fresh, 2)
+        saved = ckpt.save(fresh)
+    result = {"restored": info.generation.name, "identical": info.identical_continuation, "saved": saved.name,
+              "full_differs": same(full_state(fresh), load_file(str(source / "after-full.safetensors"))),
+              "rank_differs": same(rank_state(fresh),
+                                   load_file(str(source / f"after-rank{dist.get_rank()}.safetensors")))}
+    again = build("fsdp", seed=9)
+    with ts.CheckpointManager(where, collective_timeout_s=TIMEOUT_S, **options) as ckpt:
+        result["again"] = ckpt.restore(again).generation.name
+    result["again_differs"] = same(full_state(again), full_state(fresh))
+    return result
+
+
 def main() -> int:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("gloo")

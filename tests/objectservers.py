@@ -371,6 +371,16 @@ class Record(NamedTuple):
     status: int | str
 
 
+class Traffic(NamedTuple):
+    """One relayed exchange: the request's Range header (None: the whole object) and the response body's bytes
+    as relayed to the client (fewer than the object when the client hung up early)."""
+
+    method: str
+    path: str
+    range: str | None
+    bytes: int
+
+
 @dataclass
 class _Rule:
     nth: int
@@ -410,6 +420,7 @@ class FaultProxy:
         self.hold = hold
         self.requests: list[Record] = []
         self.injected: list[Record] = []
+        self.traffic: list[Traffic] = []  # every relayed exchange, with its body bytes
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -438,6 +449,7 @@ class FaultProxy:
             self._rules.clear()
             self.requests.clear()
             self.injected.clear()
+            self.traffic.clear()
 
     def count(self, method: str | None = None, path_contains: str | None = None) -> int:
         """How many logged requests match."""
@@ -527,8 +539,13 @@ class FaultProxy:
                 assert upstream_reader is not None
                 upstream.sendall(head)
                 _copy(reader, upstream.sendall, _request_framing(headers))
-                keep_alive = _relay_response(upstream_reader, client, method,
-                                             lambda status: self._log(Record(method, path, status)))
+                sent = [0]
+                try:
+                    keep_alive = _relay_response(upstream_reader, client, method,
+                                                 lambda status: self._log(Record(method, path, status)), sent)
+                finally:
+                    with self._lock:
+                        self.traffic.append(Traffic(method, path, headers.get("range"), sent[0]))
                 if not keep_alive or headers.get("connection", "").lower() == "close":
                     return
         except (OSError, ValueError):
@@ -614,11 +631,12 @@ def _request_framing(headers: dict[str, str]) -> Framing:
     return int(headers.get("content-length", "0"))
 
 
-def _relay_response(upstream: BinaryIO, client: socket.socket, method: str, seen: Callable[[int], None]) -> bool:
+def _relay_response(upstream: BinaryIO, client: socket.socket, method: str, seen: Callable[[int], None],
+                    sent: list[int] | None = None) -> bool:
     """Stream one response (after any 1xx) to the client; True when the connection may be kept.
 
     ``seen(status)`` runs before the client gets the final head, so the log is complete by the
-    time the client has its answer.
+    time the client has its answer. ``sent[0]`` counts the body bytes relayed.
     """
     while True:
         head = _read_head(upstream)
@@ -641,7 +659,13 @@ def _relay_response(upstream: BinaryIO, client: socket.socket, method: str, seen
         framing = int(headers["content-length"])
     else:
         framing, keep_alive = "eof", False
-    _copy(upstream, client.sendall, framing)
+
+    def write(data: bytes) -> None:
+        client.sendall(data)
+        if sent is not None:
+            sent[0] += len(data)
+
+    _copy(upstream, write, framing)
     return keep_alive
 
 

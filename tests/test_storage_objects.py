@@ -496,28 +496,31 @@ def test_the_writer_reads_each_commit_record_once_and_forgets_what_it_changes(mo
     assert writer._attempts == {}  # released: another writer may change the records from now on
 
 
-def test_the_writer_downloads_each_manifest_once_and_never_one_of_a_removed_attempt(moto_server, bucket):
+def test_each_manifest_is_downloaded_once_per_attempt_and_a_republished_one_again(moto_server, bucket):
+    """An attempt's manifest never changes once committed, so every store (a writer's or a reader's) downloads it
+    once; the same name published again is a new attempt, whose manifest is downloaded (the control)."""
     from store_conformance import publish, read
 
-    writer = ObjectStore(_url(moto_server, bucket), storage_options=moto_server.storage_options())
+    url = _url(moto_server, bucket)
+    writer = ObjectStore(url, storage_options=moto_server.storage_options())
+    reader = ObjectStore(url, storage_options=moto_server.storage_options())
     name = generation_name(6, "full")
     fetched: list[str] = []
-    original = writer.client.reader
-    writer.client.reader = lambda key: fetched.append(key) or original(key)
+    for store in (writer, reader):
+        original = store.client.reader
+        store.client.reader = lambda key, original=original: fetched.append(key) or original(key)
     publish(writer, name, {"manifest.json": b'{"v": 1}', "a.bin": b"x"})
-    for _ in range(2):
-        assert read(writer, name, "manifest.json") == b'{"v": 1}'
-    assert len(fetched) == 2  # the control: without the lease every read downloads
     writer.lock()
     try:
-        fetched.clear()
-        for _ in range(3):
-            assert read(writer, name, "manifest.json") == b'{"v": 1}'
-            assert read(writer, name, "a.bin") == b"x"  # other files are streamed every time
-        assert sorted(k.rsplit("/", 1)[1] for k in fetched) == ["a.bin"] * 3 + ["manifest.json"]
+        for store in (writer, reader):
+            for _ in range(3):
+                assert read(store, name, "manifest.json") == b'{"v": 1}'
+                assert read(store, name, "a.bin") == b"x"  # other files are streamed every time
+        assert sorted(k.rsplit("/", 1)[1] for k in fetched) == ["a.bin"] * 6 + ["manifest.json"] * 2
         writer.remove(name)
         publish(writer, name, {"manifest.json": b'{"v": 2}', "a.bin": b"y"})
-        assert read(writer, name, "manifest.json") == b'{"v": 2}'
+        fetched.clear()
+        assert read(writer, name, "manifest.json") == read(reader, name, "manifest.json") == b'{"v": 2}'
+        assert len(fetched) == 2  # a new attempt: downloaded by each
     finally:
         writer.unlock()
-    assert writer._manifests == {}

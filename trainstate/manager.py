@@ -39,7 +39,7 @@ from .records import GenerationInfo, RestoreInfo, Status
 from .restore import IN_PLACE_BYTES
 from .state import snapshot
 from .state.train_state import TrainState
-from .storage.base import Store
+from .storage.base import Store, pinned
 from .storage.locate import open_store
 
 __all__ = ["Cadence", "CheckpointManager", "GenerationInfo", "IN_PLACE_BYTES", "RestoreInfo", "Status"]
@@ -114,7 +114,8 @@ class CheckpointManager:
         self.rehearse_factory = rehearse
         self.cadence = cadence
         self.lifecycle = Lifecycle(self.store, self.key)
-        self.retention = runs.effective_policy(self.lifecycle, keep_last, retention)
+        with pinned(self.store):  # an object store reads each commit record once here
+            self.retention = runs.effective_policy(self.lifecycle, keep_last, retention)
         self._new_timelines: set[str] = set()  # declared by start_new_timeline()
         self._same_run: set[str] = set()  # timelines already checked against the directory's run
         self._publisher = publish.Publisher(self.store, self.lifecycle, self.retention, key=self.key,

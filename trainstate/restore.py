@@ -28,6 +28,7 @@ The trusted reading itself (pointer, manifest, digests, strict decoding) is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable
@@ -46,7 +47,8 @@ from .records import GenerationInfo, RestoreInfo
 from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
-from .storage.base import Store
+from .storage.base import Store, pinned
+from .storage.streams import Rewindable
 from .storage.chunked import Progress
 from .storage.verify import Verified, decode_verified, preview_headers, tensor_files, verify_generation
 
@@ -420,6 +422,8 @@ class HeldFiles:
     def __init__(self, store: Store):
         self._store = store
         self._held: dict[tuple[str, str], Any] = {}
+        self._pin = pinned(store)  # each commit record read once while the files are held
+        self._pin.__enter__()
         self.layouts: dict[tuple[str, str, str], Any] = {}  # tensor-file headers verified once, for this restore
 
     def __getattr__(self, name: str) -> Any:
@@ -428,7 +432,10 @@ class HeldFiles:
     def open(self, generation: str, file: str) -> Any:
         stream = self._held.get((generation, file))
         if stream is None:
-            stream = self._held[(generation, file)] = self._store.open(generation, file)
+            stream = self._store.open(generation, file)
+            if getattr(self._store, "remote", False):
+                stream = Rewindable(stream)
+            self._held[(generation, file)] = stream
         stream.seek(0)
         return _Borrowed(stream)
 
@@ -436,6 +443,8 @@ class HeldFiles:
         for stream in self._held.values():
             stream.close()
         self._held.clear()
+        self._pin.__exit__(None, None, None)
+        self._pin = contextlib.nullcontext()
 
 
 class _Borrowed:

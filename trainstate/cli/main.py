@@ -29,7 +29,7 @@ from . import supervise as cli_supervise
 from .. import progress
 from ..format import signing
 from ..errors import InvalidArgument, TrainStateError
-from ..storage.base import Store
+from ..storage.base import Store, pinned
 from ..storage.locate import open_existing, split_generation
 from ..storage.objectclient import is_url
 from ..format.manifest import POINTER, parse_generation_name
@@ -122,6 +122,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if cli_export.is_bundle(args.target):  # a release bundle written by `trainstate export`
         return cli_export.cmd_verify_bundle(args)
     store, names, single = _open_target(args.target)
+    with pinned(store):  # an object store: each commit record read once, for the generation and its pointer
+        return _verify_run(args, store, names, single)
+
+
+def _verify_run(args: argparse.Namespace, store: Store, names: list[str], single: bool) -> int:
     key = signing.resolve(None, store.location)
     failures: list[dict[str, str]] = []
     if not names:

@@ -30,12 +30,15 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 
 from ..errors import (CheckpointFailed, CorruptGeneration, NoValidGeneration, PointerRollback, Rejection,
                       StateMismatch, TrainStateError)
+from ..format import tensorfile
 from ..format.codec import decode
+from ..format.manifest import STATE
 from ..records import GenerationInfo, RestoreInfo
 from ..restore import Candidates, HeldFiles, candidates, check_run, continue_lineage, expected_run
 from ..state import contract as contract_mod
 from ..state import snapshot
 from ..state.train_state import TrainState
+from ..storage.fetched import Fetched
 from ..storage.verify import decode_verified, read_json_file, read_tensors, verify_generation
 from .capture import contract_fields, sharded_state
 from .commit import rank_json, rank_tensors, verify_share
@@ -69,9 +72,10 @@ def restore(state: TrainState, ranks: Ranks, store: Any, key: Any, *, generation
             ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     """Every rank calls it; see the module docstring."""
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
-    held = HeldFiles(store)
+    remote = getattr(store, "remote", False)
+    held = Fetched(store) if remote else HeldFiles(store)
     try:
-        chosen, rejected = _choose(held, ranks, key, generation)
+        chosen, rejected = _choose(held, ranks, key, generation, _templates(state) if remote else None)
         if chosen is None:
             return None, rejected
         return _load(state, chosen, rejected, held, ranks, allow, statistical_cuda), rejected
@@ -79,8 +83,18 @@ def restore(state: TrainState, ranks: Ranks, store: Any, key: Any, *, generation
         held.close()
 
 
+def _templates(state: TrainState) -> dict | None:
+    """The DCP state dict this rank will load into (to plan which pieces it reads); None if it cannot be built
+    (the checks before loading say why)."""
+    try:
+        return sharded_state(state)[0]
+    except (TrainStateError, RuntimeError, ValueError, KeyError, TypeError, AssertionError):
+        return None
+
+
 # 1. choose ---------------------------------------------------------------------------------------------------
-def _choose(held: HeldFiles, ranks: Ranks, key: Any, generation: str | None) -> tuple[Any, tuple[Rejection, ...]]:
+def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str | None,
+            templates: dict | None = None) -> tuple[Any, tuple[Rejection, ...]]:
     order, error = None, None
     if ranks.rank == 0:
         try:
@@ -109,9 +123,12 @@ def _choose(held: HeldFiles, ranks: Ranks, key: Any, generation: str | None) -> 
             if not verified.manifest.ranks:
                 raise StateMismatch(f"{name} was written by a single process; restore it without torchrun (or "
                                     "save it again from a multi-rank run)")
-            for record in verified.manifest.files:  # hold every file: what loads later is what is verified now
-                held.open(name, record.name).close()
-            verify_share(held, verified.manifest, ranks)
+            if isinstance(held, Fetched):  # remote: download this rank's share once, verified as it arrives
+                _fetch_share(held, verified.manifest, ranks, templates)
+            else:
+                for record in verified.manifest.files:  # hold every file: what loads later is what is verified now
+                    held.open(name, record.name).close()
+                verify_share(held, verified.manifest, ranks)
             parts = _read(held, verified.manifest, ranks)
         except (CorruptGeneration, OSError) as exc:
             problem = f"{exc}"
@@ -128,6 +145,62 @@ def _choose(held: HeldFiles, ranks: Ranks, key: Any, generation: str | None) -> 
     if not plan["names"] and not rejected:
         return None, ()
     raise NoValidGeneration(held.location, rejected)
+
+
+def _fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None) -> None:
+    """Everything this rank reads, downloaded once and verified: the global files, its rank records (every
+    rank's at another world size), DCP's metadata, and of each shard only the pieces its load plan reads."""
+    saved_world = len(manifest.ranks)
+    wanted = [ranks.rank] if saved_world == ranks.world_size else list(range(saved_world))
+    present = {f.name for f in manifest.files}
+    for name in [STATE, "tensors.safetensors", DCP_METADATA, *(f(r) for r in wanted for f in (rank_json, rank_tensors))]:
+        if name in present:
+            fetched.fetch(manifest, name)
+    shards = [f.name for f in manifest.files if f.name.startswith("shard-")]
+    metadata = metadata_from_json(read_json_file(fetched, manifest, DCP_METADATA),
+                                  f"{manifest.generation}/{DCP_METADATA}", set(shards))
+    needed = _planned_entries(templates, metadata, ranks.rank) if templates is not None else None
+    for shard in shards:
+        if needed is None:
+            fetched.fetch(manifest, shard)  # not plannable: the whole file, so that the checks can run
+            continue
+        entries = needed.get(shard)
+        if entries:
+            layout = _fetch_header(fetched, manifest, shard)
+            found = {e.name: e for e in layout.entries}
+            missing = sorted(entries - set(found))
+            if missing:
+                raise CorruptGeneration(f"{manifest.generation}/{shard}", f"has no entry {missing[0]!r:.80}")
+            fetched.fetch(manifest, shard, [(layout.data_start + found[n].begin, layout.data_start + found[n].end)
+                                            for n in entries])
+
+
+def _planned_entries(templates: dict, metadata: Any, rank: int) -> dict[str, set[str]] | None:
+    """Shard file -> the entries this rank's DCP load reads (DCP's own local planning, no collective)."""
+    try:
+        planner = LoadPlanner()
+        planner.set_up_planner(templates, metadata, rank == 0)
+        plan = planner.create_local_plan()
+    except (RuntimeError, ValueError, KeyError, TypeError, AssertionError):
+        return None  # the state does not fit this generation: the checks before loading say how
+    out: dict[str, set[str]] = {}
+    for item in plan.items:
+        info = metadata.storage_data.get(item.storage_index)
+        if info is None:
+            return None
+        out.setdefault(info["file"], set()).add(info["entry"])
+    return out
+
+
+def _fetch_header(fetched: Fetched, manifest: Any, name: str) -> Any:
+    """A shard file's safetensors header, fetched (its chunks verified) and parsed."""
+    size = manifest.file(name).size
+    fetched.fetch(manifest, name, [(0, min(8, size))])
+    with fetched.open(manifest.generation, name) as stream:
+        length = int.from_bytes(stream.read(8), "little")
+    fetched.fetch(manifest, name, [(0, min(size, 8 + length))])
+    with fetched.open(manifest.generation, name) as stream:
+        return tensorfile.parse_header(stream, size, f"{manifest.generation}/{name}")
 
 
 # 2. check, 3. load ------------------------------------------------------------------------------------------

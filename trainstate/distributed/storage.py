@@ -9,6 +9,11 @@ are ``torch.save`` archives. Here:
 - each rank's items go into one safetensors file, ``shard-<rank>.safetensors``,
   written by the same staging code as a single-process generation (digest
   beside the write, fsync, read-back); entries are named ``<fqn>@<offsets>``;
+  small replicated items (an optimizer's step counters and param groups, every
+  rank loads them) go into ``shard-<rank>-small.safetensors`` instead, so that
+  a rank whose own pieces are all in its own shard reads nothing else of any
+  other rank's shard: on an object store a foreign shard costs at least the
+  4 MiB chunk a digest covers, a small file only its own few bytes;
 - DCP's global metadata is JSON (``dcp-metadata.json``), rebuilt into DCP's
   ``Metadata`` on read by a strict parser;
 - non-tensor items are trainstate's tagged JSON (see :mod:`.planner`).
@@ -51,6 +56,22 @@ _FORMAT = "trainstate-dcp-metadata"
 
 def shard_file(rank: int) -> str:
     return f"shard-{rank:05d}.safetensors"
+
+
+def small_file(rank: int) -> str:
+    return f"shard-{rank:05d}-small.safetensors"
+
+
+SMALL_BYTES = 64 << 10  # a replicated item up to this size goes into the rank's small file
+
+
+def _small_and_replicated(item: Any, tensor: torch.Tensor) -> bool:
+    if tensor.nbytes > SMALL_BYTES:
+        return False
+    if item.type == WriteItemType.BYTE_IO:
+        return True
+    data = item.tensor_data
+    return data is not None and tuple(data.chunk.sizes) == tuple(data.size)  # the whole tensor: not sharded
 
 
 def entry_name(index: MetadataIndex) -> str:
@@ -154,7 +175,7 @@ class Writer(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
-        tensors: dict[str, torch.Tensor] = {}
+        files: dict[str, dict[str, torch.Tensor]] = {shard_file(self.rank): {}, small_file(self.rank): {}}
         results = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -164,17 +185,20 @@ class Writer(StorageWriter):
                 tensor = data.detach()
                 tensor = tensor if tensor.device.type == "cpu" else tensor.cpu()
             name = entry_name(item.index)
-            tensors[name] = tensor
+            file = small_file(self.rank) if _small_and_replicated(item, tensor) else shard_file(self.rank)
+            files[file][name] = tensor
             results.append(WriteResult(index=item.index, size_in_bytes=tensor.nbytes,
-                                       storage_data={"file": shard_file(self.rank), "entry": name}))
-        if tensors:
+                                       storage_data={"file": file, "entry": name}))
+        for file, tensors in files.items():
+            if not tensors:
+                continue
             layout = tensorfile.plan(tensors)
             # stable: CPU memory nobody changes while this runs (training waits for a blocking save; a
             # background save writes from its own copy)
-            record = self.staging.write(shard_file(self.rank), tensorfile.chunks(layout, tensors), stable=True,
-                                        size_hint=layout.size)
-            results[0] = WriteResult(results[0].index, results[0].size_in_bytes,
-                                     {**results[0].storage_data, "record": dataclasses.astuple(record)})
+            record = self.staging.write(file, tensorfile.chunks(layout, tensors), stable=True, size_hint=layout.size)
+            first = next(i for i, r in enumerate(results) if r.storage_data["file"] == file)  # carries the record
+            results[first] = WriteResult(results[first].index, results[first].size_in_bytes,
+                                         {**results[first].storage_data, "record": dataclasses.astuple(record)})
         future: Future = Future()
         future.set_result(results)
         return future

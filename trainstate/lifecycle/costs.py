@@ -26,10 +26,12 @@ The model, per month of training at the measured cadence (a month is
 - **Read requests**: after each save, the verification (a listing of the
   generation and a read of its manifest) and the prune that follows it (a
   listing of the run, the two pointers and the pins, and a listing plus a
-  manifest read per retained generation); each restore reads the pointer,
-  lists the generation and reads its manifest and every file.
-- **Transfer**: every save uploads its bytes (GB in); each restore reads one
-  full generation (GB out, and GB retrieved on tiers that charge for it).
+  manifest read per retained generation); each restore makes the requests
+  :func:`restore_reads` counts for the newest full generation.
+- **Transfer**: every save uploads its bytes (GB in); each restore reads what
+  :func:`restore_reads` counts (GB out, and GB retrieved on tiers that charge
+  for it): every byte a process loads, once; with several ranks, a
+  replicated byte once per rank.
 - **Restore time**: the full generation's size over the tier's
   ``read_mb_per_s`` (10**6 bytes per second), when the rates give one.
 """
@@ -54,7 +56,14 @@ OBJECTS_PER_COMMIT = 3  # besides the listed files: the manifest, a commit recor
 VERIFY_READS = 2  # after a save: list the generation, read its manifest
 PRUNE_SCAN_READS = 4  # the prune after a save: list the run, read latest, latest-weights and pins
 READS_PER_RETAINED = 2  # ... and list and read the manifest of each retained generation
-RESTORE_OVERHEAD_READS = 3  # a restore: read latest, list the generation, read its manifest (+ one per file)
+# What a restore from an object store asks for besides its files, per process, counted through a proxy
+# (tests/test_object_restore_traffic.py): pointers (latest twice, latest-weights), the lease, the run identity,
+# the DONE record, the commit record (the manager's constructor and the restore), the manifest (a HEAD and a
+# GET), and the listings.
+RESTORE_FIXED_REQUESTS = 17
+RANK_RESTORE_FIXED_REQUESTS = 15  # a rank of a multi-rank restore (its files are fetched without a HEAD)
+READ_SPAN = 16 << 20  # a multi-rank restore fetches in ranged GETs of at most this many bytes
+FIRST_SPAN, MAX_SPAN = 4 << 20, 64 << 20  # a single-process restore's ranged GETs: 4 MiB chunks, doubling
 
 TOP_KEYS = ("date", "currency", "source", "tiers")
 PRICE_KEYS = ("gb_month", "per_1000_writes", "per_1000_reads", "per_gb_in", "per_gb_out", "per_gb_retrieved")
@@ -71,8 +80,10 @@ ASSUMPTIONS = (
     f"reads per save: {VERIFY_READS} to verify (list the generation, read its manifest) + {PRUNE_SCAN_READS} to "
     f"plan the prune (list the run; read latest, latest-weights, pins) + {READS_PER_RETAINED} per retained "
     "generation (list it, read its manifest; milestones not counted); deletes are not counted (free on most tiers)",
-    f"each restore: {RESTORE_OVERHEAD_READS} reads (latest, list, manifest) + one per file, and one full "
-    "generation out (egress, and retrieval where the tier charges for it)",
+    "each restore: the requests and bytes a restore of the newest full generation makes, from its files and (for "
+    f"a multi-rank one) DCP's metadata: every byte a process loads read once, {RESTORE_FIXED_REQUESTS} requests "
+    f"besides the files ({RANK_RESTORE_FIXED_REQUESTS} per rank), as counted through a proxy; each replicated "
+    "byte is read by every rank",
     "early deletion: a generation lives keep x save interval before the prune removes it; a tier with "
     "min_retention_days bills the rest of the minimum as storage",
     "a price the rates file leaves out is not charged (0); restore time is size / read_mb_per_s (10^6 B/s), "
@@ -274,6 +285,42 @@ class KindFigures:
 
 
 @dataclass(frozen=True)
+class RestoreReads:
+    """What one restore downloads (bytes, over every process) and asks for (requests, likewise)."""
+
+    bytes: int
+    requests: int
+    processes: int = 1
+
+
+def _sequential_gets(size: int) -> int:
+    """Ranged GETs of a file read start to end: a 4 MiB chunk first, then spans doubling up to 64 MiB."""
+    gets, done, span = 0, 0, 0
+    while done < size:
+        span = min(MAX_SPAN, max(FIRST_SPAN, 2 * span))
+        done += span
+        gets += 1
+    return gets
+
+
+def restore_reads(files: Sequence[tuple[int, int]], processes: int = 1) -> RestoreReads:
+    """A restore's reads from ``files``, each ``(bytes, readers)``: how many of the ``processes`` read it.
+
+    A single process reads each file with a HEAD and sequential ranged GETs (plus one for the chunk of RNG
+    states a preview reads ahead); a rank of a multi-rank restore fetches what it reads in ranged GETs of at
+    most ``READ_SPAN``, no HEAD.
+    """
+    total = sum(size * readers for size, readers in files)
+    if processes == 1:
+        requests = RESTORE_FIXED_REQUESTS + sum(1 + _sequential_gets(size) + (size > FIRST_SPAN)
+                                                for size, _ in files)
+    else:
+        requests = RANK_RESTORE_FIXED_REQUESTS * processes + sum(
+            readers * max(1, -(-size // READ_SPAN)) for size, readers in files)
+    return RestoreReads(total, requests, processes)
+
+
+@dataclass(frozen=True)
 class Measured:
     """Everything the estimate takes from the run: both kinds, the policy, pins."""
 
@@ -283,6 +330,7 @@ class Measured:
     policy_source: str = ""
     pinned_bytes: int = 0
     pinned: int = 0  # distinct pinned generations
+    restore: RestoreReads | None = None  # one restore of the newest full generation (None: one read of it)
 
     @property
     def best_bytes(self) -> int:
@@ -367,11 +415,11 @@ def volumes(measured: Measured, *, restores_per_month: float, months: float = 1.
         writes += saves_weights * (weights.files + OBJECTS_PER_COMMIT)
         bytes_in += saves_weights * weights.size_bytes
     reads_per_save = VERIFY_READS + PRUNE_SCAN_READS + READS_PER_RETAINED * retained_count
-    reads = ((saves_full + saves_weights) * reads_per_save
-             + restores_per_month * (RESTORE_OVERHEAD_READS + full.files))
+    restore = measured.restore or restore_reads([(full.size_bytes, 1)])
+    reads = (saves_full + saves_weights) * reads_per_save + restores_per_month * restore.requests
     return Volumes(saves_full=saves_full, saves_weights=saves_weights, retained_bytes=retained,
                    milestone_gb_months=milestones, milestones_at_end=at_end, gb_months=retained / GB + milestones,
-                   writes=writes, reads=reads, gb_in=bytes_in / GB, gb_out=restores_per_month * full.size_bytes / GB)
+                   writes=writes, reads=reads, gb_in=bytes_in / GB, gb_out=restores_per_month * restore.bytes / GB)
 
 
 def early_deletion_gb_months(measured: Measured, min_retention_days: float) -> float:

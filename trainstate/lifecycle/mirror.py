@@ -35,7 +35,7 @@ from ..format.manifest import (MANIFEST, POINTER, RUN, generation_order,
                                parse_generation_name, parse_run)
 from ..format.signing import SigningKey
 from ..progress import OnBytes
-from ..storage.base import Store
+from ..storage.base import Store, pinned
 from ..storage.verify import Verified, point_at, read_manifest, read_pointed, verify_generation
 from .generations import Lifecycle
 from .retention import Retention
@@ -176,7 +176,8 @@ class Mirror:
         if not newer:
             return None
         self.local.lock()
-        return pull_newer(self.local, self.remote, self.key)
+        with pinned(self.remote):  # each remote commit record read once while the newest is chosen and copied
+            return pull_newer(self.local, self.remote, self.key)
 
     def published(self, name: str) -> None:
         """A local generation was published: upload it next (replacing an older one of its kind still queued)."""

@@ -24,8 +24,10 @@ with ``reinstate``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
+from typing import Any
 from typing import BinaryIO, Protocol
 
 from ..format.manifest import FileRecord
@@ -129,3 +131,10 @@ class Store(Protocol):
 
     def free_bytes(self) -> int | None:
         """Space available for new generations, or ``None`` when unknown (the preflight is then skipped)."""
+
+
+def pinned(store: Any) -> AbstractContextManager[None]:
+    """A scope in which an object store reads each generation's commit record once (one restore, one
+    verification, one export); a no-op for a store without records (a local directory)."""
+    pin = getattr(store, "pinned", None)
+    return pin() if pin is not None else contextlib.nullcontext()

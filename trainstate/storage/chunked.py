@@ -52,6 +52,7 @@ from ..format import tensorfile
 from ..format.digest import CHUNK_BYTES, chunk_digest
 from ..format.manifest import FileRecord, Manifest
 from .base import Store
+from .streams import Rewindable
 
 WORKERS = max(1, min(8, os.cpu_count() or 1))
 OnBytes = Callable[[int], None]  # told the bytes of each chunk once it verified
@@ -219,7 +220,9 @@ def read_file(store: Store, manifest: Manifest, name: str, wanted: set[str], ten
     """
     record, where = manifest.file(name), f"{manifest.generation}/{name}"
     progress = progress if progress is not None else Progress()
-    with store.open(manifest.generation, name) as stream:
+    with store.open(manifest.generation, name) as opened:
+        # a stream (an object store) keeps the header chunk it verifies: the pass below re-reads it from memory
+        stream = opened if _positional(opened) is not None or isinstance(opened, Rewindable) else Rewindable(opened)
         _advise_sequential(stream)
         layout = _held_header(store, stream, manifest, name)
         targets: list[_Target] = []

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import InvalidArgument, StorageAccessDenied, StorageNotFound, StorageUnavailable
+from .streams import SeekableReader
 
 SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
 _SETTINGS = {"s3": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or storage_options access_key_id/secret_access_key)",
@@ -204,6 +204,20 @@ class Client:
             with contextlib.suppress(Missing):
                 self._call("deleting", prefix, lambda: obstore.delete(self.store, batch))
 
+    def read_ranges(self, key: str, spans: list[tuple[int, int]]) -> list[memoryview]:
+        """The bytes of each ``[begin, end)`` span of one object: bounded ranged GETs, several in flight at once
+        (no HEAD: the caller knows the size, and verifies each span against its digests)."""
+        import obstore
+
+        if not spans:
+            return []
+        try:
+            got = self._call("reading", key, lambda: obstore.get_ranges(
+                self.store, key, starts=[b for b, _ in spans], ends=[e for _, e in spans], coalesce=0))
+        except Missing:
+            raise FileNotFoundError(f"{self.url}/{key}") from None
+        return [memoryview(g).cast("B") for g in got]
+
     def reader(self, key: str) -> Any:
         """A seekable stream of one object, every range pinned to the version first seen (If-Match)."""
         import obstore
@@ -214,8 +228,8 @@ class Client:
             raise FileNotFoundError(f"{self.url}/{key}") from None
         e_tag, size = meta["e_tag"], int(meta["size"])
 
-        def open_range(offset: int) -> Iterator[memoryview]:
-            options: Any = {"range": {"offset": offset}} if offset else {}
+        def open_range(offset: int, end: int) -> Iterator[memoryview]:
+            options: Any = {"range": (offset, end)}
             if e_tag:
                 options["if_match"] = e_tag
             try:
@@ -242,40 +256,59 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
-class ObjectReader(io.RawIOBase):
-    """A committed object read as a stream: one GET, ranged again after a seek, pinned to the object's ETag."""
+class ObjectReader(SeekableReader):
+    """A committed object read as a stream of bounded ranged GETs, each pinned to the object's ETag.
 
-    def __init__(self, open_range: Callable[[int], Iterator[memoryview]], size: int, name: str):
+    No request is open-ended: a GET that a reader abandons (a seek, or a pass
+    that reads only a header) was already transferred in full, so each asks
+    for what is about to be read. The first after an open or a seek covers
+    the read asked for (at least ``FIRST_SPAN``); while reads stay sequential,
+    each next request doubles, up to ``MAX_SPAN``, so a whole file streams in
+    few requests.
+    """
+
+    FIRST_SPAN = 1 << 20
+    MAX_SPAN = 64 << 20
+
+    def __init__(self, open_range: Callable[[int, int], Iterator[memoryview]], size: int, name: str):
         self._open_range, self._size, self.name = open_range, size, name
         self._pos = 0
         self._chunks: Iterator[memoryview] | None = None
         self._pending = memoryview(b"")
+        self._span = 0  # the size of the last request; 0 after an open or a seek
+        self.stop: int | None = None  # no request reaches past this offset (a caller that holds the bytes there)
 
-    def readable(self) -> bool:
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _moved(self, target: int) -> None:
+        if target != self._pos:  # the request under way is dropped; the next one starts small again
+            self._chunks, self._pending, self._pos, self._span = None, memoryview(b""), target, 0
+
+    def _fill(self, want: int) -> bool:
+        """Make ``_pending`` hold the next bytes; False at the end of the object."""
+        while not self._pending:
+            if self._chunks is not None:
+                self._pending = next(self._chunks, memoryview(b""))
+                if self._pending:
+                    return True
+                self._chunks = None  # this range is read to its end
+            if self._pos >= self._size:
+                return False
+            self._span = min(self.MAX_SPAN, max(want, self.FIRST_SPAN, 2 * self._span))
+            end = min(self._size, self._pos + self._span)
+            if self.stop is not None and self._pos < self.stop:
+                end = min(end, self.stop)
+            self._chunks = self._open_range(self._pos, end)
         return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self._size + offset}[whence]
-        if target != self._pos:
-            self._chunks, self._pending, self._pos = None, memoryview(b""), max(0, target)
-        return self._pos
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         if self._pos >= self._size or len(out) == 0:
             return 0
-        if not self._pending:
-            if self._chunks is None:
-                self._chunks = self._open_range(self._pos)
-            self._pending = next(self._chunks, memoryview(b""))
-            if not self._pending:
-                return 0
+        if not self._fill(len(out)):
+            return 0
         n = min(len(out), len(self._pending))
         out[:n] = self._pending[:n]
         self._pending = self._pending[n:]
@@ -288,12 +321,8 @@ class ObjectReader(io.RawIOBase):
             return self.readall()
         if self._pos >= self._size or size == 0:
             return b""
-        if not self._pending:
-            if self._chunks is None:
-                self._chunks = self._open_range(self._pos)
-            self._pending = next(self._chunks, memoryview(b""))
-            if not self._pending:
-                return b""
+        if not self._fill(size):
+            return b""
         data = bytes(self._pending[:size])
         self._pending = self._pending[len(data):]
         self._pos += len(data)

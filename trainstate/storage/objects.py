@@ -169,20 +169,39 @@ class ObjectStore:
         # generation -> attempt, as read from its commit (or aside) record, kept only while this store holds the
         # writer lease: then nobody else creates or deletes records, and this store forgets what it changes
         self._attempts: dict[str, str] = {}
-        self._manifests: dict[str, bytes] = {}  # attempt -> its manifest: never rewritten once an attempt committed
+        self._manifests: dict[str, bytes] = {}  # attempt -> its manifest: never rewritten once an attempt committed,
+        # so kept by every store, a reader's too (attempt names are never reused)
+        self._pins = 0  # open pinned() scopes: commit records read once each, for a reader too
 
     # reading -----------------------------------------------------------------
     def generations(self) -> list[str]:
         return newest_first(self.client.names("commits/"))
 
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Within, each generation's commit record is read once (one restore: every rank opens every file of a
+        candidate, and each open named it again). A generation replaced meanwhile is read from the attempt first
+        seen, whose objects are immutable: gone, a read fails as a vanished file, never as other bytes."""
+        self._pins += 1
+        try:
+            yield
+        finally:
+            self._pins -= 1
+            if not self._pins and self._lease is None:
+                self._attempts.clear()
+
+    def read_ranges(self, generation: str, file: str, spans: list[tuple[int, int]]) -> list[memoryview]:
+        """The bytes of each ``[begin, end)`` span of a committed file (bounded ranged GETs, in parallel)."""
+        return self.client.read_ranges(f"attempts/{self._attempt(generation)}/{file}", spans)
+
     def _attempt_or_none(self, generation: str) -> str | None:
-        if self._lease is not None and generation in self._attempts:
+        if (self._lease is not None or self._pins) and generation in self._attempts:
             return self._attempts[generation]
         data = self.client.get_small(f"commits/{generation}")
         if data is None and _ASIDE_RE.fullmatch(generation):  # a set-aside generation: kept as evidence
             data = self.client.get_small(f"aside/{generation}")
         attempt = None if data is None else _parse_record(data, f"{self.location}/commits/{generation}")
-        if attempt is not None and self._lease is not None:
+        if attempt is not None and (self._lease is not None or self._pins):
             self._attempts[generation] = attempt
         return attempt
 
@@ -198,11 +217,12 @@ class ObjectStore:
 
     def open(self, generation: str, file: str) -> BinaryIO:
         attempt = self._attempt(generation)
-        if file != MANIFEST or self._lease is None:
+        if file != MANIFEST:
             return self.client.reader(f"attempts/{attempt}/{file}")
-        data = self._manifests.get(attempt)  # every save and restore reads a few manifests several times
+        # every save and restore reads a few manifests several times; an attempt's never changes once committed
+        data = self._manifests.get(attempt)
         if data is None:
-            from .verify import read_bounded  # storage.verify imports torch; only a writer gets here
+            from .verify import read_bounded  # storage.verify imports torch, which a bare store does not need
 
             with self.client.reader(f"attempts/{attempt}/{file}") as stream:
                 data = read_bounded(stream, MAX_JSON_BYTES)  # a larger one is refused by the reader all the same
@@ -337,8 +357,7 @@ class ObjectStore:
         if self._lease is not None:
             self._lease.check()
             return
-        self._attempts.clear()  # records may have changed while another writer held the run
-        self._manifests.clear()
+        self._attempts.clear()  # records may have changed while another writer held the run (manifests: never)
         self._lease = _Lease(self.client, "lock", self.lease_s, self.location, renew=True)
 
     def unlock(self) -> None:
@@ -346,7 +365,6 @@ class ObjectStore:
             self._lease.release()
             self._lease = None
         self._attempts.clear()
-        self._manifests.clear()
 
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:

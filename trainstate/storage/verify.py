@@ -25,7 +25,7 @@ from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, POINTER, STATE, WEIGHTS
 from ..format.signing import SigningKey
 from ..progress import OnBytes
 from . import chunked
-from .base import Store
+from .base import Store, pinned
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,12 @@ def verify_generation(store: Store, generation: str, pointer: Pointer | None = N
     ``trainstate verify`` is one restore accepts, short of a mismatch with the
     live objects it is restored into.
     """
+    with pinned(store):  # an object store reads the commit record once, not once per file
+        return _verify_generation(store, generation, pointer, content=content, key=key, on_bytes=on_bytes)
+
+
+def _verify_generation(store: Store, generation: str, pointer: Pointer | None, *, content: bool,
+                       key: SigningKey | None, on_bytes: OnBytes | None) -> Verified:
     manifest, digest, size = read_manifest(store, generation, pointer, key)
     try:
         present = store.files(generation)

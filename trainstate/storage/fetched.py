@@ -1,0 +1,167 @@
+"""A restore from an object store downloads each byte it needs once, verified as it arrives.
+
+A restore reads a generation in several passes: its structure, every digest,
+the decoded state, then the pieces each tensor is loaded from. On a local disk
+the page cache makes the later passes cheap; over HTTP each pass is another
+download. :class:`Fetched` is a view of a remote store through which one
+restore reads: :meth:`Fetched.fetch` downloads the spans of a file a reader
+will need, in bounded ranged GETs several at a time (no open-ended range, so
+nothing is fetched past what is asked), checks each 4 MiB chunk against the
+manifest's chunk digests (``blake3-chunked``; a file of an older format is
+fetched whole and checked against its file digest), and keeps the verified
+bytes in memory. Every later read of the file is served from there: the
+digest pass, the decode and the tensor reads see exactly the verified bytes,
+and nothing reaches a live tensor before the whole choice has verified.
+
+Memory: the fetched share stays in memory until the restore ends (the
+rank's share of the generation, besides the live state it loads into).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+from ..errors import CorruptGeneration, TrainStateError
+from ..format.digest import CHUNK_BYTES, CHUNKED, chunk_digest, digest_bytes
+from ..format.manifest import MANIFEST, FileRecord, Manifest
+from .base import pinned
+from .streams import SeekableReader
+
+REQUEST_BYTES = 16 << 20  # one ranged GET: big enough to stream at full speed, small enough to run several at once
+
+
+class Fetched:
+    """A remote store seen through one restore: fetched spans served from memory, the rest passed through."""
+
+    def __init__(self, store: Any):
+        self._store = store
+        self._files: dict[tuple[str, str], _Sparse] = {}
+        self._small: dict[tuple[str, str], bytes] = {}  # manifests, read whole once
+        self.requested = 0  # bytes asked of the store: what the restore downloaded
+        self._pin = pinned(store)  # each commit record read once during the restore
+        self._pin.__enter__()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def fetch(self, manifest: Manifest, name: str, spans: list[tuple[int, int]] | None = None) -> None:
+        """Download and verify the bytes of file ``name`` covering ``spans`` (``None``: the whole file), each once.
+
+        Raises :class:`CorruptGeneration` naming the file (and chunk) whose bytes do not match the manifest.
+        """
+        record = manifest.file(name)
+        key = (manifest.generation, name)
+        sparse = self._files.setdefault(key, _Sparse(record.size))
+        where = f"{manifest.generation}/{name}"
+        if manifest.digest_algorithm != CHUNKED or not record.chunks:
+            if not sparse.whole:
+                data = self._download(manifest.generation, name, [(0, record.size)])[0] if record.size else b""
+                if digest_bytes(manifest.digest_algorithm, bytes(data)) != record.digest:
+                    raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
+                sparse.put(0, data, whole=True)
+            return
+        wanted = sorted({i for b, e in (spans if spans is not None else [(0, record.size)]) if e > b
+                         for i in range(b // CHUNK_BYTES, -(-e // CHUNK_BYTES))} - set(sparse.chunks))
+        requests = _requests(wanted, record.size)
+        for (begin, end), data in zip(requests, self._download(manifest.generation, name, requests)):
+            if len(data) != end - begin:
+                raise CorruptGeneration(where, f"{len(data)} bytes where {end - begin} were expected (truncated?)")
+            for offset in range(0, len(data), CHUNK_BYTES):
+                index = (begin + offset) // CHUNK_BYTES
+                piece = data[offset:offset + CHUNK_BYTES]
+                _check(record, index, piece, where)
+                sparse.chunks[index] = piece
+
+    def _download(self, generation: str, name: str, spans: list[tuple[int, int]]) -> list[memoryview]:
+        self.requested += sum(e - b for b, e in spans)
+        return self._store.read_ranges(generation, name, spans)
+
+    def fetched(self, generation: str, name: str) -> bool:
+        return (generation, name) in self._files
+
+    def open(self, generation: str, name: str) -> Any:
+        sparse = self._files.get((generation, name))
+        if sparse is not None:
+            return _SparseReader(sparse, f"{generation}/{name}")
+        if name == MANIFEST:  # read by every structural check: once
+            data = self._small.get((generation, name))
+            if data is None:
+                with self._store.open(generation, name) as stream:
+                    data = self._small[(generation, name)] = stream.read()
+            return io.BytesIO(data)
+        return self._store.open(generation, name)
+
+    def close(self) -> None:
+        self._files.clear()
+        self._small.clear()
+        self._pin.__exit__(None, None, None)
+        self._pin = contextlib.nullcontext()
+
+
+def _requests(chunks: list[int], size: int) -> list[tuple[int, int]]:
+    """Runs of consecutive chunks as byte spans of at most ``REQUEST_BYTES``."""
+    out: list[tuple[int, int]] = []
+    per = REQUEST_BYTES // CHUNK_BYTES
+    run: list[int] = []
+    for index in chunks + [None]:  # type: ignore[list-item]
+        if run and (index is None or index != run[-1] + 1 or len(run) == per):
+            out.append((run[0] * CHUNK_BYTES, min(size, (run[-1] + 1) * CHUNK_BYTES)))
+            run = []
+        if index is not None:
+            run.append(index)
+    return out
+
+
+def _check(record: FileRecord, index: int, data: memoryview, where: str) -> None:
+    if index >= len(record.chunks) or chunk_digest(data) != record.chunks[index]:
+        raise CorruptGeneration(where, f"blake3-chunked digest mismatch in chunk {index} (content changed)")
+
+
+class _Sparse:
+    """A file's verified bytes: whole, or by 4 MiB chunk."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.chunks: dict[int, memoryview] = {}
+        self.whole = False
+
+    def put(self, offset: int, data: memoryview | bytes, whole: bool = False) -> None:
+        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+        for start in range(0, len(view), CHUNK_BYTES):
+            self.chunks[(offset + start) // CHUNK_BYTES] = view[start:start + CHUNK_BYTES]
+        self.whole = whole
+
+
+class _SparseReader(SeekableReader):
+    """A seekable stream over fetched bytes; reading a byte that was never fetched is a bug, said loudly."""
+
+    def __init__(self, sparse: _Sparse, where: str):
+        self._sparse, self._where, self._pos = sparse, where, 0
+
+    @property
+    def size(self) -> int:
+        return self._sparse.size
+
+    def readinto(self, buffer: Any) -> int:
+        """Fills ``buffer`` up to the end of the file (never a short read inside it)."""
+        out = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(out) and self._pos < self._sparse.size:
+            index, within = divmod(self._pos, CHUNK_BYTES)
+            chunk = self._sparse.chunks.get(index)
+            if chunk is None:
+                raise TrainStateError(f"{self._where}: byte {self._pos} was read but never fetched (a restore must "
+                                      "fetch what it reads); please report this")
+            n = min(len(out) - done, len(chunk) - within)
+            out[done:done + n] = chunk[within:within + n]
+            self._pos += n
+            done += n
+        return done
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = self._sparse.size - self._pos
+        n = left if size is None or size < 0 else min(size, left)
+        buffer = bytearray(max(n, 0))
+        return bytes(buffer[:self.readinto(buffer)])
