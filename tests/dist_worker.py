@@ -675,6 +675,23 @@ def object_restore(out: Path) -> dict:
         save_ref(ref, full_state_of(state))
         return {"generation": info.name, "size": info.size}
     fresh = _sized(mode, seed=5)
+    if remote["phase"] == "bad-peer":  # the control: rank 0 hands over chunks with one bit flipped
+        from trainstate.storage.fetched import Fetched
+
+        real = Fetched.chunk
+
+        def flipped(self, manifest, name, index):
+            data = bytearray(real(self, manifest, name, index))
+            data[len(data) // 2] ^= 0x01
+            return memoryview(bytes(data))
+        if dist.get_rank() == 0:
+            Fetched.chunk = flipped
+        try:
+            with ts.CheckpointManager(url, storage_options=opts, collective_timeout_s=TIMEOUT_S) as ckpt:
+                ckpt.restore(fresh)
+            return {"outcome": "restored"}
+        except ts.TrainStateError as exc:
+            return {"outcome": type(exc).__name__, "message": str(exc)[:3000]}
     started = time.monotonic()
     with ts.CheckpointManager(url, storage_options=opts, collective_timeout_s=TIMEOUT_S) as ckpt:
         info = ckpt.restore(fresh)

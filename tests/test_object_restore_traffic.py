@@ -190,14 +190,29 @@ def restore_traffic(moto_server, tmp_path: Path, mode: str) -> tuple[dict, list,
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_a_multi_rank_restore_reads_each_rank_share_once(moto_server, tmp_path, mode):
-    """FSDP2: each rank reads its own shard (and the small replicated items), so the ranks together read the
-    generation once. DDP: every rank loads every replicated byte, so each downloads the generation once."""
+    """FSDP2: each rank reads its own shard (and the small replicated items); DDP: every rank loads every
+    replicated byte. Either way each byte is downloaded once over all ranks: by one rank that needs it, which
+    hands it to the others (each verifies what it keeps)."""
     runs, traffic, model = restore_traffic(moto_server, tmp_path, mode)
     size = runs["saved"][0]["size"]
     got = summary(traffic)
     print(json.dumps({"mode": mode, "size": size, **got, "seconds": [r["seconds"] for r in runs["restored"]]}))
     for r in runs["restored"]:
         assert r["differs"] == [], r
-    assert_once_each(got, 2, size if mode == "fsdp" else 2 * size, managers=2)
+    assert_once_each(got, 2, size, managers=2)
     assert got["heads"] <= 2 * 2, got  # a manifest each; no HEAD before each ranged read
     assert_cost_matches(got, model)
+
+
+def test_control_a_chunk_a_peer_hands_over_is_verified_by_the_rank_that_keeps_it(moto_server, tmp_path):
+    """Rank 0 flips one bit of every chunk it hands to rank 1: rank 1 refuses them, every rank passes over the
+    generation together, and nothing loads (the store's bytes are intact: only the handover lied)."""
+    bucket = moto_server.make_bucket()
+    common = {"url": moto_server.url(bucket, "run"), "mode": "ddp", "reference": str(tmp_path / "ref.safetensors"),
+              "storage_options": moto_server.storage_options()}
+    launch(tmp_path / "save", ["object_restore"], env={"TRAINSTATE_TEST_S3": json.dumps(
+        {**common, "phase": "save"})}).ok("object_restore")
+    results = launch(tmp_path / "bad", ["object_restore"], env={"TRAINSTATE_TEST_S3": json.dumps(
+        {**common, "phase": "bad-peer"})}).ok("object_restore")
+    for r in results:
+        assert r["outcome"] == "NoValidGeneration" and "as rank 0 handed it over" in r["message"], r

@@ -13,19 +13,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from . import lifecycle as cli_lifecycle
-from ..distributed.storage import DCP_METADATA
 from ..errors import InvalidArgument, TrainStateError
-from ..format import tensorfile
 from ..format.manifest import Manifest, parse_generation_name
 from ..lifecycle import costs
 from ..lifecycle.generations import Lifecycle
 from ..storage.base import Store
-from ..storage.verify import read_json_file, read_manifest
+from ..storage.verify import read_manifest
 
 
 def _generation_bytes(store: Store, life: Lifecycle, generation: str) -> tuple[int, Manifest]:
@@ -119,38 +116,9 @@ def measure(args: argparse.Namespace) -> tuple[costs.Measured, list[str]]:
 
 
 def restore_reads(store: Store, manifest: Manifest) -> costs.RestoreReads:
-    """What restoring ``manifest``'s generation reads: each file with how many processes read it.
-
-    Multi-rank: every rank reads the global files, DCP's metadata and the small files; its own record; and of
-    the shards, a replicated item (one piece covering the whole tensor: DDP) is read by every rank, a sharded
-    piece by one.
-    """
-    files = list(manifest.files)
-    world = len(manifest.ranks) if manifest.ranks else 1
-    if world == 1 and not manifest.ranks:
-        return costs.restore_reads([(f.size, 1) for f in files])
-    metadata = read_json_file(store, manifest, DCP_METADATA)
-    replicated = {fqn for fqn, item in metadata["items"].items()
-                  if item == {"bytes": True} or (len(item["chunks"]) == 1 and item["chunks"][0][1] == item["size"])}
-    per_file: dict[str, int] = {}  # replicated bytes in each shard file
-    for fqn, _, file, _ in metadata["storage"]:
-        item = metadata["items"][fqn]
-        if fqn in replicated and item != {"bytes": True}:
-            per_file[file] = per_file.get(file, 0) + math.prod(item["size"]) * _itemsize(item["dtype"])
-    reads = []
-    for f in files:
-        if f.name.startswith("rank-"):
-            reads.append((f.size, 1))
-        elif f.name.startswith("shard-") and not f.name.endswith("-small.safetensors"):
-            shared = min(per_file.get(f.name, 0), f.size)
-            reads += [(shared, world), (f.size - shared, 1)]
-        else:  # state.json, tensors.safetensors, dcp-metadata.json, the small files
-            reads.append((f.size, world))
-    return costs.restore_reads([r for r in reads if r[0]], world)
-
-
-def _itemsize(dtype: str) -> int:
-    return tensorfile.torch_dtype(dtype, DCP_METADATA).itemsize
+    """What restoring ``manifest``'s generation reads: every file once (with several ranks, each byte is
+    downloaded by one rank and handed to the others that need it), from ``world_size`` processes."""
+    return costs.restore_reads([(f.size, 1) for f in manifest.files], len(manifest.ranks) or 1)
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -44,6 +44,7 @@ from .capture import contract_fields, sharded_state
 from .commit import rank_json, rank_tensors, verify_share
 from .group import Ranks, collective
 from .planner import LoadPlanner
+from .share import fetch_together
 from .storage import DCP_METADATA, Reader, metadata_from_json
 
 
@@ -114,26 +115,8 @@ def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str |
         raise (PointerRollback(plan["error"]) if plan["rollback"] else CheckpointFailed("choose", {0: plan["error"]}))
     rejected = [Rejection(g, r) for g, r in plan["rejected"]]
     for name in plan["names"]:
-        problem = ""
-        verified = None
-        try:
-            pointer = order.pointer if order is not None and name == order.pointer_generation else None
-            verified = verify_generation(held, name, pointer, content=False, key=key)
-            check_run(verified.manifest, plan["run"])
-            if not verified.manifest.ranks:
-                raise StateMismatch(f"{name} was written by a single process; restore it without torchrun (or "
-                                    "save it again from a multi-rank run)")
-            if isinstance(held, Fetched):  # remote: download this rank's share once, verified as it arrives
-                _fetch_share(held, verified.manifest, ranks, templates)
-            else:
-                for record in verified.manifest.files:  # hold every file: what loads later is what is verified now
-                    held.open(name, record.name).close()
-                verify_share(held, verified.manifest, ranks)
-            parts = _read(held, verified.manifest, ranks)
-        except (CorruptGeneration, OSError) as exc:
-            problem = f"{exc}"
-        except StateMismatch as exc:
-            problem = f"!{exc}"
+        pointer = order.pointer if order is not None and name == order.pointer_generation else None
+        verified, parts, problem = _check_candidate(held, name, pointer, plan["run"], ranks, key, templates)
         reports = ranks.all_gather(problem, "verify")
         fatal = [r[1:] for r in reports if r.startswith("!")]
         if fatal:
@@ -147,32 +130,102 @@ def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str |
     raise NoValidGeneration(held.location, rejected)
 
 
-def _fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None) -> None:
-    """Everything this rank reads, downloaded once and verified: the global files, its rank records (every
-    rank's at another world size), DCP's metadata, and of each shard only the pieces its load plan reads."""
+def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: str | None, ranks: Ranks, key: Any,
+                     templates: dict | None) -> tuple[Any, Any, str]:
+    """This rank's check of one candidate: ``(verified, parts, problem)``; a problem starting with "!" is a
+    mismatch with the live state (fatal), any other is damage (the next candidate is tried)."""
+    verified, parts, problem = None, None, ""
+    try:
+        verified = verify_generation(held, name, pointer, content=False, key=key)
+        check_run(verified.manifest, run)
+        if not verified.manifest.ranks:
+            raise StateMismatch(f"{name} was written by a single process; restore it without torchrun (or "
+                                "save it again from a multi-rank run)")
+        if not isinstance(held, Fetched):
+            for record in verified.manifest.files:  # hold every file: what loads later is what is verified now
+                held.open(name, record.name).close()
+            verify_share(held, verified.manifest, ranks)
+    except (CorruptGeneration, OSError) as exc:
+        problem = f"{exc}"
+    except StateMismatch as exc:
+        problem = f"!{exc}"
+    if isinstance(held, Fetched):  # remote: every rank's share downloaded once, together (collective)
+        problem, ok = _fetch_share(held, verified.manifest if verified else None, ranks, templates, problem)
+        if not ok:
+            return verified, None, problem
+    if not problem:
+        try:
+            parts = _read(held, verified.manifest, ranks)
+        except (CorruptGeneration, OSError) as exc:
+            problem = f"{exc}"
+        except StateMismatch as exc:
+            problem = f"!{exc}"
+    return verified, parts, problem
+
+
+def _fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                 problem: str) -> tuple[str, bool]:
+    """Everything each rank reads, downloaded once over all ranks and verified by each: the global files, its
+    rank records (every rank's at another world size), DCP's metadata, and of each shard only the chunks holding
+    the pieces its load plan reads. Four collective rounds (:func:`.share.fetch_together`), every rank in each."""
+    state: dict[str, Any] = {"needed": None}
+    for step in (_want_records, _want_header_starts, _want_headers, _want_pieces):
+        wanted: dict[str, list[int]] = {}
+        if not problem:
+            try:
+                wanted = {name: chunks for name, chunks in step(fetched, manifest, ranks, templates, state).items()
+                          if chunks}
+            except (CorruptGeneration, OSError) as exc:
+                problem = f"{exc}"
+        problem, ok = fetch_together(fetched, manifest, ranks, wanted, problem)
+        if not ok:
+            return problem, False
+    return problem, True
+
+
+def _want_records(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                  state: dict) -> dict[str, list[int]]:
     saved_world = len(manifest.ranks)
-    wanted = [ranks.rank] if saved_world == ranks.world_size else list(range(saved_world))
+    own = [ranks.rank] if saved_world == ranks.world_size else list(range(saved_world))
     present = {f.name for f in manifest.files}
-    for name in [STATE, "tensors.safetensors", DCP_METADATA, *(f(r) for r in wanted for f in (rank_json, rank_tensors))]:
-        if name in present:
-            fetched.fetch(manifest, name)
+    names = [STATE, "tensors.safetensors", DCP_METADATA, *(f(r) for r in own for f in (rank_json, rank_tensors))]
+    return {name: fetched.missing(manifest, name) for name in names if name in present}
+
+
+def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                        state: dict) -> dict[str, list[int]]:
     shards = [f.name for f in manifest.files if f.name.startswith("shard-")]
     metadata = metadata_from_json(read_json_file(fetched, manifest, DCP_METADATA),
                                   f"{manifest.generation}/{DCP_METADATA}", set(shards))
-    needed = _planned_entries(templates, metadata, ranks.rank) if templates is not None else None
-    for shard in shards:
-        if needed is None:
-            fetched.fetch(manifest, shard)  # not plannable: the whole file, so that the checks can run
-            continue
-        entries = needed.get(shard)
-        if entries:
-            layout = _fetch_header(fetched, manifest, shard)
-            found = {e.name: e for e in layout.entries}
-            missing = sorted(entries - set(found))
-            if missing:
-                raise CorruptGeneration(f"{manifest.generation}/{shard}", f"has no entry {missing[0]!r:.80}")
-            fetched.fetch(manifest, shard, [(layout.data_start + found[n].begin, layout.data_start + found[n].end)
-                                            for n in entries])
+    state["needed"] = needed = _planned_entries(templates, metadata, ranks.rank) if templates is not None else None
+    if needed is None:  # not plannable: whole files, so that the checks before loading can say why
+        return {shard: fetched.missing(manifest, shard) for shard in shards}
+    return {shard: fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))]) for shard in needed}
+
+
+def _want_headers(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                  state: dict) -> dict[str, list[int]]:
+    out = {}
+    for shard in state["needed"] or {}:
+        with fetched.open(manifest.generation, shard) as stream:
+            length = int.from_bytes(stream.read(8), "little")
+        out[shard] = fetched.missing(manifest, shard, [(0, min(manifest.file(shard).size, 8 + length))])
+    return out
+
+
+def _want_pieces(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                 state: dict) -> dict[str, list[int]]:
+    out = {}
+    for shard, entries in (state["needed"] or {}).items():
+        with fetched.open(manifest.generation, shard) as stream:
+            layout = tensorfile.parse_header(stream, manifest.file(shard).size, f"{manifest.generation}/{shard}")
+        found = {e.name: e for e in layout.entries}
+        missing = sorted(entries - set(found))
+        if missing:
+            raise CorruptGeneration(f"{manifest.generation}/{shard}", f"has no entry {missing[0]!r:.80}")
+        out[shard] = fetched.missing(manifest, shard, [(layout.data_start + found[n].begin,
+                                                        layout.data_start + found[n].end) for n in entries])
+    return out
 
 
 def _planned_entries(templates: dict, metadata: Any, rank: int) -> dict[str, set[str]] | None:
@@ -190,17 +243,6 @@ def _planned_entries(templates: dict, metadata: Any, rank: int) -> dict[str, set
             return None
         out.setdefault(info["file"], set()).add(info["entry"])
     return out
-
-
-def _fetch_header(fetched: Fetched, manifest: Any, name: str) -> Any:
-    """A shard file's safetensors header, fetched (its chunks verified) and parsed."""
-    size = manifest.file(name).size
-    fetched.fetch(manifest, name, [(0, min(8, size))])
-    with fetched.open(manifest.generation, name) as stream:
-        length = int.from_bytes(stream.read(8), "little")
-    fetched.fetch(manifest, name, [(0, min(size, 8 + length))])
-    with fetched.open(manifest.generation, name) as stream:
-        return tensorfile.parse_header(stream, size, f"{manifest.generation}/{name}")
 
 
 # 2. check, 3. load ------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ The model, per month of training at the measured cadence (a month is
   :func:`restore_reads` counts for the newest full generation.
 - **Transfer**: every save uploads its bytes (GB in); each restore reads what
   :func:`restore_reads` counts (GB out, and GB retrieved on tiers that charge
-  for it): every byte a process loads, once; with several ranks, a
-  replicated byte once per rank.
+  for it): every byte once, also with several ranks (a byte several ranks
+  load is downloaded by one and handed to the others).
 - **Restore time**: the full generation's size over the tier's
   ``read_mb_per_s`` (10**6 bytes per second), when the rates give one.
 """
@@ -80,10 +80,9 @@ ASSUMPTIONS = (
     f"reads per save: {VERIFY_READS} to verify (list the generation, read its manifest) + {PRUNE_SCAN_READS} to "
     f"plan the prune (list the run; read latest, latest-weights, pins) + {READS_PER_RETAINED} per retained "
     "generation (list it, read its manifest; milestones not counted); deletes are not counted (free on most tiers)",
-    "each restore: the requests and bytes a restore of the newest full generation makes, from its files and (for "
-    f"a multi-rank one) DCP's metadata: every byte a process loads read once, {RESTORE_FIXED_REQUESTS} requests "
-    f"besides the files ({RANK_RESTORE_FIXED_REQUESTS} per rank), as counted through a proxy; each replicated "
-    "byte is read by every rank",
+    "each restore: the newest full generation read once (with several ranks, each byte by one rank, handed to "
+    f"the others), {RESTORE_FIXED_REQUESTS} requests besides the files' ranged GETs ({RANK_RESTORE_FIXED_REQUESTS} "
+    "per rank), as counted through a proxy",
     "early deletion: a generation lives keep x save interval before the prune removes it; a tier with "
     "min_retention_days bills the rest of the minimum as storage",
     "a price the rates file leaves out is not charged (0); restore time is size / read_mb_per_s (10^6 B/s), "
@@ -304,11 +303,11 @@ def _sequential_gets(size: int) -> int:
 
 
 def restore_reads(files: Sequence[tuple[int, int]], processes: int = 1) -> RestoreReads:
-    """A restore's reads from ``files``, each ``(bytes, readers)``: how many of the ``processes`` read it.
+    """A restore's reads from ``files``, each ``(bytes, readers)``: how many of the ``processes`` download it.
 
     A single process reads each file with a HEAD and sequential ranged GETs (plus one for the chunk of RNG
-    states a preview reads ahead); a rank of a multi-rank restore fetches what it reads in ranged GETs of at
-    most ``READ_SPAN``, no HEAD.
+    states a preview reads ahead); the ranks of a multi-rank restore fetch in ranged GETs of at most
+    ``READ_SPAN``, no HEAD.
     """
     total = sum(size * readers for size, readers in files)
     if processes == 1:

@@ -51,28 +51,57 @@ class Fetched:
 
         Raises :class:`CorruptGeneration` naming the file (and chunk) whose bytes do not match the manifest.
         """
+        self.fetch_chunks(manifest, name, self.missing(manifest, name, spans))
+
+    def missing(self, manifest: Manifest, name: str, spans: list[tuple[int, int]] | None = None) -> list[int]:
+        """The chunks covering ``spans`` of file ``name`` not fetched yet; a file of an older format (one digest
+        over the whole file) is one unit, chunk 0."""
         record = manifest.file(name)
-        key = (manifest.generation, name)
-        sparse = self._files.setdefault(key, _Sparse(record.size))
-        where = f"{manifest.generation}/{name}"
-        if manifest.digest_algorithm != CHUNKED or not record.chunks:
-            if not sparse.whole:
-                data = self._download(manifest.generation, name, [(0, record.size)])[0] if record.size else b""
-                if digest_bytes(manifest.digest_algorithm, bytes(data)) != record.digest:
-                    raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
-                sparse.put(0, data, whole=True)
+        sparse = self._files.get((manifest.generation, name))
+        if not _chunked(manifest, record):
+            return [] if sparse is not None and sparse.whole else [0]
+        have = set(sparse.chunks) if sparse is not None else set()
+        return sorted({i for b, e in (spans if spans is not None else [(0, record.size)]) if e > b
+                       for i in range(b // CHUNK_BYTES, -(-e // CHUNK_BYTES))} - have)
+
+    def fetch_chunks(self, manifest: Manifest, name: str, chunks: list[int]) -> None:
+        """Download and verify these chunks of file ``name`` (see :meth:`missing`), in bounded ranged GETs."""
+        if not chunks:
             return
-        wanted = sorted({i for b, e in (spans if spans is not None else [(0, record.size)]) if e > b
-                         for i in range(b // CHUNK_BYTES, -(-e // CHUNK_BYTES))} - set(sparse.chunks))
-        requests = _requests(wanted, record.size)
+        record = manifest.file(name)
+        if not _chunked(manifest, record):
+            data = self._download(manifest.generation, name, [(0, record.size)])[0] if record.size else b""
+            self.put_chunk(manifest, name, 0, data)
+            return
+        requests = _requests(chunks, record.size)
         for (begin, end), data in zip(requests, self._download(manifest.generation, name, requests)):
             if len(data) != end - begin:
-                raise CorruptGeneration(where, f"{len(data)} bytes where {end - begin} were expected (truncated?)")
+                raise CorruptGeneration(f"{manifest.generation}/{name}",
+                                        f"{len(data)} bytes where {end - begin} were expected (truncated?)")
             for offset in range(0, len(data), CHUNK_BYTES):
-                index = (begin + offset) // CHUNK_BYTES
-                piece = data[offset:offset + CHUNK_BYTES]
-                _check(record, index, piece, where)
-                sparse.chunks[index] = piece
+                self.put_chunk(manifest, name, (begin + offset) // CHUNK_BYTES, data[offset:offset + CHUNK_BYTES])
+
+    def put_chunk(self, manifest: Manifest, name: str, index: int, data: memoryview | bytes) -> None:
+        """Keep a chunk (of an older format's file: the whole file) once it verified against the manifest,
+        wherever its bytes came from (this store, or another rank that downloaded them)."""
+        record = manifest.file(name)
+        where = f"{manifest.generation}/{name}"
+        sparse = self._files.setdefault((manifest.generation, name), _Sparse(record.size))
+        view = memoryview(data).cast("B")
+        if not _chunked(manifest, record):
+            if len(view) != record.size or digest_bytes(manifest.digest_algorithm, bytes(view)) != record.digest:
+                raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
+            sparse.put(0, view, whole=True)
+            return
+        _check(record, index, view, where)
+        sparse.chunks[index] = view
+
+    def chunk(self, manifest: Manifest, name: str, index: int) -> memoryview:
+        """A verified chunk (of an older format's file: the whole file), to hand to another rank."""
+        sparse = self._files[(manifest.generation, name)]
+        if not _chunked(manifest, manifest.file(name)):
+            return memoryview(b"".join(sparse.chunks[i] for i in sorted(sparse.chunks)))
+        return sparse.chunks[index]
 
     def _download(self, generation: str, name: str, spans: list[tuple[int, int]]) -> list[memoryview]:
         self.requested += sum(e - b for b, e in spans)
@@ -112,6 +141,10 @@ def _requests(chunks: list[int], size: int) -> list[tuple[int, int]]:
         if index is not None:
             run.append(index)
     return out
+
+
+def _chunked(manifest: Manifest, record: FileRecord) -> bool:
+    return manifest.digest_algorithm == CHUNKED and bool(record.chunks)
 
 
 def _check(record: FileRecord, index: int, data: memoryview, where: str) -> None:
