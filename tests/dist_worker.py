@@ -636,8 +636,9 @@ def rank0_only_save(out: Path) -> dict:
 def _sized(mode: str, seed: int = 0) -> ts.TrainState:
     """A model of a few MiB with Adam moments (bytes, not metadata, dominate the counts), FSDP2 or DDP."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                torch.nn.ReLU(), torch.nn.Linear(1024, 64))
+    width = int(os.environ.get("TRAINSTATE_TEST_WIDTH", "1024"))  # benchmarks/bench_restore_traffic.py sizes it
+    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, 64))
     if mode == "fsdp":
         for layer in model:
             if isinstance(layer, torch.nn.Linear):

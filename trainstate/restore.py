@@ -48,7 +48,7 @@ from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
 from .storage.base import Store, pinned
-from .storage.streams import Rewindable
+from .storage.streams import Rewindable, spooled
 from .storage.chunked import Progress
 from .storage.verify import Verified, decode_verified, preview_headers, tensor_files, verify_generation
 
@@ -417,10 +417,14 @@ class HeldFiles:
     held open reads the same bytes even after a concurrent prune unlinks it:
     the in-place pass then loads exactly what the verifying pass checked,
     and a header verified by the first pass is not read again by the second.
+    From an object store each file is read through a :class:`Rewindable`, or
+    with ``spool`` (a reader that reads every file twice, such as ``export``)
+    downloaded once into a temporary local file and read from there.
     """
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, *, spool: bool = False):
         self._store = store
+        self._spool = spool and getattr(store, "remote", False)
         self._held: dict[tuple[str, str], Any] = {}
         self._pin = pinned(store)  # each commit record read once while the files are held
         self._pin.__enter__()
@@ -433,7 +437,9 @@ class HeldFiles:
         stream = self._held.get((generation, file))
         if stream is None:
             stream = self._store.open(generation, file)
-            if getattr(self._store, "remote", False):
+            if self._spool:
+                stream = spooled(stream)
+            elif getattr(self._store, "remote", False):
                 stream = Rewindable(stream)
             self._held[(generation, file)] = stream
         stream.seek(0)

@@ -86,10 +86,15 @@ class _Target:
 
 
 def _advise_sequential(stream: Any) -> None:
+    """The whole file is about to be read in order: a local file's readahead, or an object's one request."""
+    sequential = getattr(stream, "sequential", None)
+    if sequential is not None:  # an object store's reader: from here on, one request to the end
+        sequential()
+        return
     try:
         os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
     except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
-        pass  # not a local file: the object reader streams in order anyway
+        pass
 
 
 def _read_full(stream: BinaryIO, view: memoryview, where: str) -> None:

@@ -259,12 +259,13 @@ def _first_line(exc: BaseException) -> str:
 class ObjectReader(SeekableReader):
     """A committed object read as a stream of bounded ranged GETs, each pinned to the object's ETag.
 
-    No request is open-ended: a GET that a reader abandons (a seek, or a pass
-    that reads only a header) was already transferred in full, so each asks
-    for what is about to be read. The first after an open or a seek covers
-    the read asked for (at least ``FIRST_SPAN``); while reads stay sequential,
-    each next request doubles, up to ``MAX_SPAN``, so a whole file streams in
-    few requests.
+    No request reaches past what is about to be read: a GET that a reader
+    abandons (a seek, or a pass that reads only a header) was transferred in
+    full all the same. The first after an open or a seek covers the read
+    asked for (at least ``FIRST_SPAN``); while reads stay sequential, each
+    next request doubles, up to ``MAX_SPAN``, and the next one is asked for
+    early. A reader that will read the rest in order says so
+    (:meth:`sequential`): then one request covers it, to the end or ``stop``.
     """
 
     FIRST_SPAN = 1 << 20
@@ -277,14 +278,20 @@ class ObjectReader(SeekableReader):
         self._pending = memoryview(b"")
         self._span = 0  # the size of the last request; 0 after an open or a seek
         self.stop: int | None = None  # no request reaches past this offset (a caller that holds the bytes there)
+        self._ahead: tuple[int, int, Iterator[memoryview]] | None = None  # the next range, requested early
+        self._to_end = False  # sequential(): each request runs to the end (or to ``stop``)
+
+    def sequential(self) -> None:
+        """The rest of the object is read in order: each request from here on runs to its end (or ``stop``)."""
+        self._to_end = True
 
     @property
     def size(self) -> int:
         return self._size
 
     def _moved(self, target: int) -> None:
-        if target != self._pos:  # the request under way is dropped; the next one starts small again
-            self._chunks, self._pending, self._pos, self._span = None, memoryview(b""), target, 0
+        if target != self._pos:  # the requests under way are dropped; the next one starts small again
+            self._chunks, self._pending, self._pos, self._span, self._ahead = None, memoryview(b""), target, 0, None
 
     def _fill(self, want: int) -> bool:
         """Make ``_pending`` hold the next bytes; False at the end of the object."""
@@ -296,12 +303,24 @@ class ObjectReader(SeekableReader):
                 self._chunks = None  # this range is read to its end
             if self._pos >= self._size:
                 return False
-            self._span = min(self.MAX_SPAN, max(want, self.FIRST_SPAN, 2 * self._span))
-            end = min(self._size, self._pos + self._span)
-            if self.stop is not None and self._pos < self.stop:
-                end = min(end, self.stop)
-            self._chunks = self._open_range(self._pos, end)
+            sequential = self._span > 0  # the last range was read to its end: the reader streams
+            if self._ahead is not None and self._ahead[0] == self._pos:
+                self._span, self._chunks = self._ahead[1] - self._pos, self._ahead[2]
+            else:
+                self._span = self._size - self._pos if self._to_end else min(
+                    self.MAX_SPAN, max(want, self.FIRST_SPAN, 2 * self._span))
+                self._chunks = self._open_range(self._pos, self._end(self._pos, self._span))
+            self._ahead = None
+            if sequential:  # ask for the next range now: it arrives while this one is consumed
+                start = self._pos + self._span
+                if start < self._size and (self.stop is None or start < self.stop or self._pos >= self.stop):
+                    end = self._end(start, min(self.MAX_SPAN, 2 * self._span))
+                    self._ahead = (start, end, self._open_range(start, end))
         return True
+
+    def _end(self, start: int, span: int) -> int:
+        end = min(self._size, start + span)
+        return min(end, self.stop) if self.stop is not None and start < self.stop else end
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
@@ -313,6 +332,7 @@ class ObjectReader(SeekableReader):
         out[:n] = self._pending[:n]
         self._pending = self._pending[n:]
         self._pos += n
+        self._to_end = self._to_end and self._pos < self._size  # the sequential pass is over at the end
         return n
 
     def read(self, size: int | None = -1) -> bytes:
@@ -326,4 +346,5 @@ class ObjectReader(SeekableReader):
         data = bytes(self._pending[:size])
         self._pending = self._pending[len(data):]
         self._pos += len(data)
+        self._to_end = self._to_end and self._pos < self._size
         return data

@@ -12,6 +12,8 @@ repeats; over HTTP each would be another download.
 from __future__ import annotations
 
 import io
+import shutil
+import tempfile
 from typing import Any
 
 
@@ -58,6 +60,12 @@ class Rewindable(SeekableReader):
     def size(self) -> int:
         return self._inner.seek(0, io.SEEK_END)  # moves the inner stream: the next read seeks it back
 
+    def sequential(self) -> None:
+        """The rest is read in order: the inner stream may ask for it in one request."""
+        advise = getattr(self._inner, "sequential", None)
+        if advise is not None:
+            advise()
+
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         done = 0
@@ -98,3 +106,20 @@ class Rewindable(SeekableReader):
     def close(self) -> None:
         self._inner.close()
         super().close()
+
+
+def spooled(stream: Any) -> Any:
+    """``stream`` downloaded once, in one request, into an unnamed temporary file (in ``$TMPDIR``) that every
+    later read uses: for readers that read a remote file more than once. Closes ``stream``."""
+    with stream:
+        advise = getattr(stream, "sequential", None)
+        if advise is not None:
+            advise()
+        local = tempfile.TemporaryFile(prefix="trainstate-")
+        try:
+            shutil.copyfileobj(stream, local, 16 << 20)
+        except BaseException:
+            local.close()
+            raise
+    local.seek(0)
+    return local

@@ -158,7 +158,7 @@ def open_source(source: str | Path, component: str, key: SigningKey | bytes | st
     ``storage_options`` (endpoint, region, keys...) apply to an object-store URL; without them the
     environment's are used."""
     store, name = _resolve(source, storage_options)
-    held = HeldFiles(store)
+    held = HeldFiles(store, spool=True)  # from a URL: each file downloaded once, verified and read locally
     try:
         key = signing.resolve(key, None if is_url(store.location) else store.location)
         if name is None:
