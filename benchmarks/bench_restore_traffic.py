@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import trainstate as ts  # noqa: E402
-from objectservers import FaultProxy, free_port, start_moto  # noqa: E402
+from objectservers import FaultProxy, free_port, start_moto, start_seaweedfs  # noqa: E402
 
 
 def counts(traffic: list) -> dict:
@@ -118,11 +118,18 @@ def ranks(server, width: int, mode: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width (2048: about 52 MB)")
+    parser.add_argument("--server", choices=("moto", "seaweedfs"), default="moto",
+                        help="moto serves a ranged GET by copying the whole object (a range costs what the object "
+                        "does); SeaweedFS serves ranges in proportion to their bytes, as S3 does")
+    parser.add_argument("--cases", default="restore-1,verify,export,mirror-pull,restore-fsdp,restore-ddp")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    server = start_moto()
+    server = start_moto() if args.server == "moto" else start_seaweedfs(Path(tempfile.mkdtemp()))
     try:
-        rows = single(server, args.width) + [ranks(server, args.width, m) for m in ("fsdp", "ddp")]
+        cases = args.cases.split(",")
+        rows = [r for r in single(server, args.width) if r["case"] in cases] if set(cases) - {
+            "restore-fsdp", "restore-ddp"} else []
+        rows += [ranks(server, args.width, m) for m in ("fsdp", "ddp") if f"restore-{m}" in cases]
     finally:
         server.stop()
     if args.json:

@@ -89,6 +89,9 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
 
 
 def _blocks(stream: Any, on_bytes: OnBytes | None = None) -> Iterator[bytes]:
+    sequential = getattr(stream, "sequential", None)  # an object: the whole file, in one request
+    if sequential is not None:
+        sequential()
     while block := stream.read(BLOCK):
         yield block
         if on_bytes is not None:

@@ -229,7 +229,7 @@ class Client:
         e_tag, size = meta["e_tag"], int(meta["size"])
 
         def open_range(offset: int, end: int) -> Iterator[memoryview]:
-            options: Any = {"range": (offset, end)}
+            options: Any = {"range": (offset, end)} if (offset, end) != (0, size) else {}  # whole: a plain GET
             if e_tag:
                 options["if_match"] = e_tag
             try:

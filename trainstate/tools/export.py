@@ -261,8 +261,9 @@ def export(generation_or_run: str | Path, out: str | Path, *, component: str = "
     ``generation_or_run``: a generation directory, or a run directory (its
     recovery point is exported), local or an object-store URL, saved by one
     process or by many ranks (read tensor by tensor: no process holds the
-    model, no process group is needed; from a URL the objects are read in
-    ranges, never copied to local disk first: ``storage_options`` as for
+    model, no process group is needed; from a URL each object is downloaded
+    once into a temporary local file in ``$TMPDIR``, which the verifying pass
+    and the tensor reads share: ``storage_options`` as for
     :class:`CheckpointManager`). ``dtype`` (``"bf16"``, ``"fp16"``,
     ``"fp32"``) casts floating-point tensors only. ``max_shard_size``
     (``"5GB"``, bytes) splits larger exports into Hugging Face shards with an

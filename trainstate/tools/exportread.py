@@ -6,7 +6,8 @@ The order of one read:
    directory's recovery point, or either as an object-store URL) and opens it
    through :class:`~trainstate.restore.HeldFiles`: every file stays open, so
    what is read later is what the verifying pass checked, even if a prune
-   removes the generation meanwhile (an object is read pinned to its ETag).
+   removes the generation meanwhile (an object is downloaded once, pinned to
+   its ETag, into a temporary local file that both passes read).
 2. The generation is verified completely (manifest and signature, file set,
    sizes, every file's digest), in one streaming pass that keeps no large
    tensor.
