@@ -52,18 +52,22 @@ class Noisy(torch.utils.data.Dataset):
         return self.x[index] + noise, self.y[index]
 
 
+def wrap(model: torch.nn.Sequential, mode: str) -> torch.nn.Module:
+    """FSDP2 (each Linear, then the whole) or DDP."""
+    if mode != "fsdp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
 def build(mode: str, seed: int = 0, batch: int = 4, loader: bool = True) -> ts.TrainState:
     rank = dist.get_rank()
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    if mode == "fsdp":
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    model = wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                     torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)), mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     components = {"model": model, "optimizer": opt, "scheduler": sched}
@@ -637,15 +641,8 @@ def _sized(mode: str, seed: int = 0) -> ts.TrainState:
     """A model of a few MiB with Adam moments (bytes, not metadata, dominate the counts), FSDP2 or DDP."""
     torch.manual_seed(seed)
     width = int(os.environ.get("TRAINSTATE_TEST_WIDTH", "1024"))  # benchmarks/bench_restore_traffic.py sizes it
-    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                torch.nn.ReLU(), torch.nn.Linear(width, 64))
-    if mode == "fsdp":
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    model = wrap(torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                     torch.nn.ReLU(), torch.nn.Linear(width, 64)), mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return ts.TrainState(model=model, optimizer=opt, contract={"config": {"mode": mode}},
                          rngs={"noise": torch.Generator().manual_seed(seed + dist.get_rank())})
