@@ -227,7 +227,8 @@ def read_file(store: Store, manifest: Manifest, name: str, wanted: set[str], ten
     progress = progress if progress is not None else Progress()
     with store.open(manifest.generation, name) as opened:
         # a stream (an object store) keeps the header chunk it verifies: the pass below re-reads it from memory
-        stream = opened if _positional(opened) is not None or isinstance(opened, Rewindable) else Rewindable(opened)
+        keeps = _positional(opened) is not None or getattr(opened, "keeps_reads", False)  # (a lent stream forwards)
+        stream = opened if keeps else Rewindable(opened)
         _advise_sequential(stream)
         layout = _held_header(store, stream, manifest, name)
         targets: list[_Target] = []

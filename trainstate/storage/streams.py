@@ -50,6 +50,7 @@ class Rewindable(SeekableReader):
     those bytes from memory and downloads only the rest, so no byte is downloaded twice."""
 
     RETAIN = 16 << 20
+    keeps_reads = True  # a reader that would wrap a stream in one sees that this one already is
 
     def __init__(self, stream: Any):
         self._inner, self._pos = stream, 0
