@@ -749,6 +749,18 @@ def golden_multirank_read(out: Path) -> dict:
     return result
 
 
+@scenario
+def golden_reshard(out: Path) -> dict:
+    """At another world size: the golden run (a copy in ``$TRAINSTATE_TEST_SOURCE``) restored with
+    ``allow_changes=["world_size"]`` and saved again at its update (a revision, cut for this world size)."""
+    run = Path(os.environ["TRAINSTATE_TEST_SOURCE"]) / "run"
+    fresh = build("fsdp", seed=8)
+    with manager(run) as ckpt:
+        info = ckpt.restore(fresh, allow_changes=["world_size"])
+        saved = ckpt.save(fresh)
+    return {"restored": info.generation.name, "saved": saved.name}
+
+
 def main() -> int:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("gloo")
