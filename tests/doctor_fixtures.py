@@ -101,12 +101,14 @@ def step(state: ts.TrainState) -> torch.Tensor:
     return loss.detach()
 
 
-def write_run(directory, factory, updates: int, *, save_at: tuple[int, ...] = ()) -> None:
-    """Train ``updates`` updates from ``factory()`` without a restart, saving at each of ``save_at`` and at the end."""
+def write_run(directory, factory, updates: int, *, save_at: tuple[int, ...] = (), step_fn=None) -> None:
+    """Train ``updates`` updates from ``factory()`` without a restart, saving at each of ``save_at`` and at the end
+    (``step_fn``: the update, this module's ``step`` by default)."""
     state = factory()
+    step_fn = step if step_fn is None else step_fn
     with ts.CheckpointManager(directory) as ckpt:
         while state.next_update < updates:
-            step(state)
+            step_fn(state)
             state.next_update += 1
             if state.next_update in save_at or state.next_update == updates:
                 ckpt.save(state)

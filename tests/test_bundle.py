@@ -112,16 +112,21 @@ def test_an_unsigned_bundle_is_refused_when_a_key_is_configured(run, tmp_path, c
     assert rc == 1 and "not signed" in report["failures"][0]["error"]
 
 
-def test_a_rewritten_manifest_is_caught_by_the_signature(tmp_path, capsys, monkeypatch):
-    # whoever swaps a file and rewrites the manifest's digest to match cannot re-sign it
-    ts.export(_run(tmp_path / "signed", KEY), tmp_path / "out", signing_key=KEY)
-    out = tmp_path / "out"
+def forge_card(out) -> None:
+    """Swap a bundle's model card and rewrite its digest in the manifest: consistent, only a signature tells."""
     (out / "README.md").write_text("a different card\n")
     manifest = json.loads((out / "release-manifest.json").read_text())
     for record in manifest["files"]:
         if record["name"] == "README.md":
             record["size"], record["digest"] = 17, hashlib.sha256(b"a different card\n").hexdigest()
     (out / "release-manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_rewritten_manifest_is_caught_by_the_signature(tmp_path, capsys, monkeypatch):
+    # whoever swaps a file and rewrites the manifest's digest to match cannot re-sign it
+    ts.export(_run(tmp_path / "signed", KEY), tmp_path / "out", signing_key=KEY)
+    out = tmp_path / "out"
+    forge_card(out)
     monkeypatch.delenv("TRAINSTATE_SIGNING_KEY", raising=False)
     assert _verify(out, capsys)[0] == 0  # control: without the key, a consistent forgery passes
     monkeypatch.setenv("TRAINSTATE_SIGNING_KEY", KEY)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import doctor_fixtures
 import trainstate as ts
 from trainstate.cli.main import main
 from trainstate.tools.doctor import Record, stream_of, unused_streams
@@ -101,13 +102,7 @@ def _spec(fx, function: str) -> str:
 
 
 def write_run(directory, factory, step, updates: int, *, save_at: tuple[int, ...] = ()) -> None:
-    state = factory()
-    with ts.CheckpointManager(directory) as ckpt:
-        while state.next_update < updates:
-            step(state)
-            state.next_update += 1
-            if state.next_update in save_at or state.next_update == updates:
-                ckpt.save(state)
+    doctor_fixtures.write_run(directory, factory, updates, save_at=save_at, step_fn=step)
 
 
 def _other_process() -> None:

@@ -8,7 +8,6 @@ function.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import trainstate as ts
+from test_bundle import forge_card
 from trainstate.cli.main import main
 
 KEY = "k" * 32
@@ -109,12 +109,7 @@ def test_a_forged_bundle_fails_with_the_key_and_passes_only_unauthenticated_with
 
     out = tmp_path / "out"
     shutil.copytree(signed[1], out)
-    (out / "README.md").write_text("a different card\n")
-    manifest = json.loads((out / "release-manifest.json").read_text())
-    for record in manifest["files"]:
-        if record["name"] == "README.md":
-            record["size"], record["digest"] = 17, hashlib.sha256(b"a different card\n").hexdigest()
-    (out / "release-manifest.json").write_text(json.dumps(manifest))
+    forge_card(out)
     rc, text = _cli(capsys, out)
     assert rc == 0 and NOTHING in text.strip().splitlines()[-1]  # the friction: it passes, but says so
     assert _cli(capsys, out, "--require-signature")[0] == 1  # the CI job that forgot the key fails
