@@ -761,7 +761,10 @@ def golden_reshard(out: Path) -> dict:
     return {"restored": info.generation.name, "saved": saved.name}
 
 
-def main() -> int:
+def main(scenarios: dict | None = None) -> int:
+    """Run the scenarios named on the command line (from ``scenarios``, default this file's), each rank writing
+    ``OUT/<scenario>/rank<r>.json``; other workers (``tier_worker.py``...) pass their own."""
+    scenarios = SCENARIOS if scenarios is None else scenarios
     out, names = Path(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -773,7 +776,7 @@ def main() -> int:
         dist.barrier()
         started = time.monotonic()
         try:
-            result = {"ok": True, **SCENARIOS[name](where)}
+            result = {"ok": True, **scenarios[name](where)}
         except Exception as exc:  # reported to the test, which shows it
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
             status = 1

@@ -89,7 +89,8 @@ class CheckpointManager:
     ``mirror_timeout_s`` for uploads), and ``restore`` takes the remote copy
     when the local directory is empty or behind. ``progress=True`` shows a
     byte bar on stderr (tqdm) while a save writes and a restore loads
-    (``None``: only when stderr is a terminal; off by default).
+    (``None``: only when stderr is a terminal; off by default). ``replicas=N`` (multi-node): a node-local
+    ``directory``, each node's files also on ``N - 1`` peers across ``failure_domain`` labels (README, "Tiers").
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
@@ -99,7 +100,8 @@ class CheckpointManager:
                  process_group: Any = None, collective_timeout_s: float = 600.0,
                  storage_options: dict[str, Any] | None = None, mirror: str | None = None,
                  mirror_options: dict[str, Any] | None = None, mirror_retention: Retention | None = None,
-                 mirror_timeout_s: float = 600.0, progress: bool | None = False):
+                 mirror_timeout_s: float = 600.0, progress: bool | None = False, replicas: int | None = None,
+                 node: str | int | None = None, failure_domain: str | None = None, wait_replicas: bool = False):
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise InvalidArgument(f"keep_last must be a positive int, got {keep_last!r}")
         if retention is not None and keep_last is not None:
@@ -130,6 +132,10 @@ class CheckpointManager:
         self._writer = Writer(max_in_flight)
         weakref.finalize(self, report_at_exit, self._writer, str(directory))
         self._session = _session(process_group, collective_timeout_s)  # multi-rank mode, or None
+        if replicas is not None or node is not None or failure_domain is not None:  # node-local tiers
+            from .distributed.tiers import attach
+
+            attach(self, replicas, node, failure_domain, wait_replicas, retention, mirror, preflight, headroom)
         self._mirror = None if mirror is None else mirror_mod.attach(self, mirror, mirror_options, mirror_retention)
         self.mirror_timeout_s = mirror_timeout_s
         self._started: str | None = None  # last generation prepared (captured at a boundary)
@@ -142,8 +148,8 @@ class CheckpointManager:
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
-        if self._session is not None and self._session.rank != 0:
-            return self  # rank 0 holds the directory for the run
+        if self._session is not None and not self._session.owns_directory:
+            return self  # rank 0 holds the directory for the run (with tiers: each node's lowest rank, its own)
         try:
             self.store.lock()
         except ReadOnlyDirectory as exc:  # restore and inspection need no lock; a save raises this again
@@ -362,7 +368,8 @@ class CheckpointManager:
                       self._clock.mean(self._clock.updates), self._interval() if self.cadence else None,
                       self._started, self._staged, self._committed, self._writer.in_flight(),
                       tuple(self._writer.unreported()),
-                      self._mirror.status(full and parse_generation_name(full)[0]) if self._mirror else None)
+                      self._mirror.status(full and parse_generation_name(full)[0]) if self._mirror else None,
+                      self._session.tier_status(self) if self._session is not None else None)
 
     # restoring ---------------------------------------------------------------
     def restore(self, state: TrainState, *, generation: str | None = None, allow_changes: Iterable[str] = (),

@@ -48,6 +48,7 @@ class RestoreInfo:
     contract_changes: tuple[FieldChange, ...] = ()
     warnings: tuple[str, ...] = ()
     done: DoneRecord | None = None  # the run finished at this generation with this contract: exit at once
+    sources: dict | None = None  # a tiered restore: bytes loaded from each rank's own node, from peers, remote
 
     @property
     def identical_continuation(self) -> bool:
@@ -83,3 +84,4 @@ class Status:
     in_flight: int = 0
     unreported_failures: tuple[str, ...] = ()
     mirror: Any = None  # a lifecycle.mirror.MirrorStatus when the manager mirrors to a remote store
+    tiers: dict | None = None  # node-local tiers: what this node's pointers name per tier (local, replicated)

@@ -192,14 +192,7 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
                 written["same"] = dataclasses.asdict(GenerationInfo.from_verified(staging._store, base))
                 return
             revisions.log_revision(pending, base.manifest.generation, ["tensor bytes, by digest"])
-        per_rank = [[f.name for f in every_file if _owner(f.name) == r] for r in range(ranks.world_size)]
-        manifest = Manifest(
-            generation=pending.name, kind=pending.kind, next_update=pending.next_update,
-            digest_algorithm=staging._store.digest_algorithm, files=tuple(every_file),
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
-            contract_fingerprint=contract_mod.digest(snap.global_skeleton["contract"]["fields"]),
-            versions=snap.global_skeleton["contract"]["versions"], parent=pending.parent,
-            world_size=ranks.world_size, ranks=per_rank, **pending.extra)
+        manifest = build_manifest(snap, pending, ranks.world_size, staging._store.digest_algorithm, every_file)
         written["manifest"] = manifest.to_bytes(key)
         staging.write(MANIFEST, [written["manifest"]])
         staging.commit()
@@ -208,6 +201,19 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
     with collective("write", ranks):
         dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
     return written
+
+
+def build_manifest(snap: RankSnapshot, pending: Pending, world_size: int, algorithm: str,
+                   every_file: list[FileRecord]) -> Manifest:
+    """The manifest of a multi-rank generation: every rank's file records, and which rank wrote which file."""
+    per_rank = [[f.name for f in every_file if _owner(f.name) == r] for r in range(world_size)]
+    return Manifest(
+        generation=pending.name, kind=pending.kind, next_update=pending.next_update, digest_algorithm=algorithm,
+        files=tuple(every_file),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
+        contract_fingerprint=contract_mod.digest(snap.global_skeleton["contract"]["fields"]),
+        versions=snap.global_skeleton["contract"]["versions"], parent=pending.parent,
+        world_size=world_size, ranks=per_rank, **pending.extra)
 
 
 def _owner(name: str) -> int:

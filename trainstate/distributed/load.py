@@ -177,7 +177,7 @@ def _fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict 
                           if chunks}
             except (CorruptGeneration, OSError) as exc:
                 problem = f"{exc}"
-        problem, ok = fetch_together(fetched, manifest, ranks, wanted, problem)
+        problem, ok = getattr(fetched, "together", fetch_together)(fetched, manifest, ranks, wanted, problem)
         if not ok:
             return problem, False
     return problem, True

@@ -9,6 +9,7 @@ Every method is collective: all ranks call it at the same update boundary.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,8 @@ from ..state.train_state import TrainState
 from . import commit, load
 from .capture import RankSnapshot, capture
 from .group import DEFAULT_TIMEOUT_S, Ranks, checkpoint_groups
+
+log = logging.getLogger("trainstate")
 
 
 @dataclass
@@ -51,6 +54,23 @@ class Session:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise InvalidArgument(f"collective_timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.fg, self.bg = checkpoint_groups(process_group, float(timeout_s))
+        self.tier: Any = None  # node-local tiers (attach_tier), or None: one directory every rank shares
+
+    def attach_tier(self, store: Any, replicas: int, keep_last: int, node: Any, failure_domain: Any,
+                    wait_replicas: bool, preflight: bool, headroom: float) -> None:
+        """Node-local tiers: each node's ranks share ``store``, a directory no other node sees (collective)."""
+        from . import tiers
+
+        self.tier = tiers.Tier(store, tiers.discover(self.fg, node, failure_domain), replicas, keep_last,
+                               wait_replicas, preflight, headroom)
+        single = tiers.single_domain_shards(self.tier.topology.domains, replicas)
+        if single:
+            log.warning("with replicas=%d the copies of nodes %s all lie in one failure domain", replicas, single)
+
+    @property
+    def owns_directory(self) -> bool:
+        """Whether this rank locks and cleans the directory: rank 0, or with tiers each node's lowest rank."""
+        return self.rank == 0 if self.tier is None else self.tier.topology.is_leader
 
     @property
     def rank(self) -> int:
@@ -108,13 +128,64 @@ class Session:
 
     def publish(self, manager: Any, pending: DistPending, background: bool) -> GenerationInfo:
         ranks = self.bg if background else self.fg
+        if self.tier is not None:
+            return self._publish_tiered(manager, pending, ranks, background)
         return commit.publish(pending.snap, pending, ranks, manager.store,
                               manager._publisher if self.rank == 0 else None, manager.key,
                               content=manager._publisher.verify_mode == "full")
 
+    def _publish_tiered(self, manager: Any, pending: DistPending, ranks: Ranks, background: bool) -> GenerationInfo:
+        """The local tier's commit on this thread; the replicas here too (a background save, ``wait_replicas``),
+        else on the writer thread, behind which the next save, ``wait`` and ``close`` wait."""
+        from . import tiersave
+
+        tier, key = self.tier, manager.key
+        info, manifest_bytes = tiersave.publish(pending.snap, pending, ranks, tier, manager._publisher, key)
+        manager._publisher.published = info.name
+        if tier.replicas < 2:
+            tiersave.prune(tier, key)
+            return info
+
+        def replicate(group: Ranks) -> GenerationInfo:
+            tiersave.replicate(info.name, manifest_bytes, group, tier, key)
+            tiersave.prune(tier, key)
+            return info
+
+        if background or tier.wait_replicas:
+            return replicate(ranks)
+        from ..asyncsave import Ticket
+
+        ticket = Ticket()
+        manager._writer.reserve(ticket)
+        manager._writer.hand_off(ticket, f"{info.name} (replicas)", lambda: replicate(self.bg))
+        return info
+
+    def tier_status(self, manager: Any) -> dict | None:
+        """What this node's pointers name per tier: the local tier, the replicated one (None without tiers)."""
+        if self.tier is None:
+            return None
+        from ..format.manifest import POINTER
+        from ..storage.verify import read_pointed
+
+        out: dict[str, Any] = {}
+        for name, store in (("local", self.tier.own), ("replicated", self.tier.replica)):
+            pointer = read_pointed(store, POINTER, manager.key) if name == "local" or self.tier.replicas > 1 else None
+            out[name] = None if pointer is None else {"generation": pointer.generation, "update": pointer.next_update}
+        local = out["local"]
+        for name in ("replicated",):
+            if out[name] is not None and local is not None:
+                out[name]["lag_updates"] = local["update"] - out[name]["update"]
+        out["remote"] = None  # the remote tier behind the nodes is not built yet
+        return out
+
     # restoring -------------------------------------------------------------------------------------------
     def restore(self, manager: Any, state: TrainState, generation: str | None, allow_changes: Iterable[str],
                 statistical_cuda: bool) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+        if self.tier is not None:
+            from . import tierload
+
+            return tierload.restore(state, self.fg, self.tier, manager.key, generation=generation,
+                                    allow_changes=allow_changes, statistical_cuda=statistical_cuda)
         return load.restore(state, self.fg, manager.store, manager.key, generation=generation,
                             allow_changes=allow_changes, statistical_cuda=statistical_cuda)
 

@@ -30,17 +30,19 @@ from .group import Ranks, _global_rank, collective
 Wanted = dict[str, list[int]]  # file -> chunk indices (see Fetched.missing)
 
 
-def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted, problem: str) -> tuple[str, bool]:
+def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted, problem: str,
+                   assigner: Any = None) -> tuple[str, bool]:
     """One collective round: every chunk some rank wants is downloaded by one of them and shared.
 
     Returns this rank's problem ("" when every chunk it wanted is now fetched and verified) and whether every
     rank got what it wanted (the same on every rank: when False, all stop this candidate at this round). A
-    rank that arrives with a problem takes part without asking for anything.
+    rank that arrives with a problem takes part without asking for anything. ``assigner``: who fetches which
+    chunk (default :func:`assign`; a tiered restore assigns each chunk to a rank whose node holds the file).
     """
     asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted}, "fetch")
     if any(a["problem"] for a in asks):
         return problem, False  # someone cannot go on with this candidate: everyone stops here
-    plan = assign([a["wanted"] for a in asks], manifest)
+    plan = (assigner or assign)([a["wanted"] for a in asks], manifest)
     error = ""
     try:
         for name, chunks in plan[ranks.rank].items():

@@ -1,0 +1,132 @@
+"""Node-local tiers with peer replicas, on real multi-node launches (several ``torchrun`` agents on this host).
+
+Each agent is a node with its own directory; a node is lost by deleting its
+directory between launches (it comes back as a fresh agent with an empty one).
+Every resume is judged bitwise against the uninterrupted run (``tests/tier_worker.py``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import trainstate as ts
+from multinode import launch_nodes
+from trainstate.distributed.tiers import placement, single_domain_shards
+
+WORKER = Path(__file__).resolve().parent / "tier_worker.py"
+GEN = "gen-000000000006"
+
+
+# placement: a pure function ------------------------------------------------------------------------------
+def test_placement_prefers_other_failure_domains_then_the_ring():
+    assert placement(["a", "b", "c", "d"], 2) == [[1], [2], [3], [0]]  # no domains: every node its own
+    assert placement(["r1", "r1", "r2", "r2"], 2) == [[2], [3], [0], [1]]  # the other rack, spread evenly
+    assert placement(["r1", "r1", "r2", "r2"], 3) == [[2, 1], [3, 0], [0, 3], [1, 2]]
+    for domains in (["a"] * 5, ["r1", "r2", "r3"] * 3):  # every node keeps replicas-1 nodes' files
+        kept = [t for ts_ in placement(domains, 3) for t in ts_]
+        assert sorted(kept.count(n) for n in range(len(domains))) == [2] * len(domains)
+    assert placement(["a", "b"], 5) == [[1], [0]]  # never more copies than nodes
+    assert placement(["a", "b", "c"], 1) == [[], [], []]
+
+
+def test_no_node_keeps_every_copy_in_one_domain_when_two_exist():
+    for domains in (["r1", "r1", "r2", "r2"], ["r1", "r1", "r1", "r2"], ["z1", "z2", "z1", "z2", "z1", "z2"]):
+        for replicas in (2, 3):
+            assert single_domain_shards(domains, replicas) == []
+    # the control: a placement by ring distance alone puts node 0's only copy beside it, in rack r1
+    ring = [[(n + 1) % 4] for n in range(4)]
+    domains = ["r1", "r1", "r2", "r2"]
+    assert any(len({domains[n], *(domains[t] for t in ts_)}) < 2 for n, ts_ in enumerate(ring))
+
+
+def test_tier_options_are_refused_without_a_process_group(tmp_path):
+    with pytest.raises(ts.InvalidArgument, match="torchrun"):
+        ts.CheckpointManager(tmp_path / "run", replicas=2)
+    with pytest.raises(ts.InvalidArgument, match="node"):
+        ts.CheckpointManager(tmp_path / "run", failure_domain="rack1")
+
+
+# real launches -----------------------------------------------------------------------------------------------
+def _flip(path: Path) -> None:
+    """One bit of the first weight's exponent (the first float of the data, after the safetensors header)."""
+    data = bytearray(path.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _holders(dirs: list[Path], file: str) -> list[int]:
+    """The node directories that hold ``file`` of the newest generation, in either tier."""
+    return [i for i, d in enumerate(dirs) if (d / GEN / file).exists() or (d / "replicas" / GEN / file).exists()]
+
+
+def _resumed(launch, scenario: str, world: int) -> list[dict]:
+    results = launch.ok(scenario, world)
+    for rank, result in enumerate(results):
+        assert "raised" not in result, f"rank {rank}: {result}"
+        assert result["full_differs"] == [] and result["rank_differs"] == [], f"rank {rank} diverged: {result}"
+    return results
+
+
+def test_two_nodes_resume_from_own_disk_from_a_replica_past_a_flipped_bit_and_after_losing_a_node(tmp_path):
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    out = tmp_path / "out"
+    trained = launch_nodes(out, dirs, ["tier_train"], worker=WORKER, nproc=2)
+    for result in trained.ok("tier_train", 4):
+        assert result["tiers"]["local"]["generation"] == GEN and result["tiers"]["replicated"]["generation"] == GEN
+    # every process killed, nothing lost: each rank reads its own node's disk, nothing crosses nodes
+    first = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=2), "tier_resume", 4)
+    assert first[0]["generation"] == GEN and first[0]["rejected"] == []
+    assert first[0]["sources"]["peer"] == 0 and first[0]["sources"]["local"] > 0
+
+    # one flipped bit in a node's own copy of its shard: detected, read from the replica on the other node
+    node = 1
+    shard = sorted(p for p in (dirs[node] / GEN).glob("shard-*.safetensors") if "small" not in p.name)[0]
+    _flip(shard)
+    launched = launch_nodes(out, dirs, ["tier_resume_unverified", "tier_resume"], worker=WORKER, nproc=2)
+    control = launched.ok("tier_resume_unverified", 4)
+    assert any(r["full_differs"] for r in control), "the control (chunks unchecked) should load the flipped bit"
+    repaired = _resumed(launched, "tier_resume", 4)
+    assert repaired[0]["generation"] == GEN and repaired[0]["sources"]["peer"] > 0
+    assert any(p.name.startswith(f"{GEN}.rejected") for p in dirs[node].iterdir()), "the damaged copy is kept aside"
+
+    # a node lost (its directory gone, back empty): its shards come from the replicas, then it is refilled
+    shutil.rmtree(dirs[1])
+    dirs[1].mkdir()
+    launched = launch_nodes(out, dirs, ["tier_resume", "tier_resume_again"], worker=WORKER, nproc=2)
+    after_loss = _resumed(launched, "tier_resume", 4)
+    assert after_loss[0]["generation"] == GEN and after_loss[0]["sources"]["peer"] > 0
+    again = _resumed(launched, "tier_resume_again", 4)
+    assert again[0]["sources"]["peer"] == 0, "the replacement node was refilled with its own holding"
+    assert (dirs[1] / GEN).is_dir() and (dirs[1] / "replicas" / GEN).is_dir()
+
+
+def test_four_nodes_in_two_racks_replicas_across_racks_and_a_shard_lost_with_every_copy(tmp_path):
+    dirs = [tmp_path / f"node{i}" for i in range(4)]
+    out = tmp_path / "out"
+    racks = [{"TS_DOMAIN": r} for r in ("rackA", "rackA", "rackB", "rackB")]
+    launch = launch_nodes(out, dirs, ["tier_train"], worker=WORKER, nproc=1, node_env=racks)
+    launch.ok("tier_train", 4)
+    manifest_files = sorted(p.name for p in (dirs[0] / GEN).iterdir())
+    assert "manifest.json" in manifest_files
+    for rank in range(4):  # placement: each rank's files live in two racks
+        holders = _holders(dirs, f"rank-{rank:05d}.safetensors")
+        assert len(holders) == 2 and len({racks[i]["TS_DOMAIN"] for i in holders}) == 2, (rank, holders)
+
+    # one node lost: its rank's files come from the replica in the other rack, bitwise
+    lost = _holders(dirs, "rank-00001.safetensors")[0]
+    shutil.rmtree(dirs[lost])
+    dirs[lost].mkdir()
+    resumed = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=1, node_env=racks),
+                       "tier_resume", 4)
+    assert resumed[0]["generation"] == GEN and resumed[0]["sources"]["peer"] > 0
+
+    # a node and every holder of its replica lost: no surviving node can serve any generation whole
+    for i in _holders(dirs, "rank-00002.safetensors"):
+        shutil.rmtree(dirs[i])
+        dirs[i].mkdir()
+    failed = launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=1, node_env=racks)
+    for result in failed.ok("tier_resume", 4):  # every rank raises the same typed error, nothing loads
+        assert result["raised"] == "NoValidGeneration" and "no surviving node holds" in result["message"], result
