@@ -13,11 +13,14 @@ launches so that a test can lose a node's directory between them.
   negative control for a flipped bit in a node's copy).
 
 Environment: ``TS_REPLICAS`` (default 2), ``TS_DOMAIN`` (a failure-domain
-label for this node, optional), ``TS_WAIT_REPLICAS`` ("1": save waits).
+label for this node, optional), ``TS_WAIT_REPLICAS`` ("1": save waits),
+``TRAINSTATE_TEST_S3`` (the remote tier: ``{"url", "storage_options"}``) with
+``TS_MIRROR_EVERY`` (default 2).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -46,6 +49,11 @@ def node_dir() -> Path:
 
 
 def tiered(**kwargs) -> ts.CheckpointManager:
+    remote = os.environ.get("TRAINSTATE_TEST_S3")  # {"url", "storage_options"}: the remote tier behind the nodes
+    if remote:
+        remote = json.loads(remote)
+        kwargs.update(mirror=remote["url"], mirror_options=remote["storage_options"],
+                      mirror_every=int(os.environ.get("TS_MIRROR_EVERY", "2")))
     return ts.CheckpointManager(node_dir(), keep_last=2, replicas=int(os.environ.get("TS_REPLICAS", "2")),
                                 failure_domain=os.environ.get("TS_DOMAIN") or None,
                                 wait_replicas=os.environ.get("TS_WAIT_REPLICAS") == "1",

@@ -23,7 +23,7 @@ from . import publish
 from .lifecycle import runs
 from . import restore as restore_mod
 from .asyncsave import SaveHandle, Ticket, Writer, report_at_exit
-from .errors import InvalidArgument, InvalidType, NoValidGeneration, ReadOnlyDirectory, Rejection
+from .errors import InvalidArgument, NoValidGeneration, ReadOnlyDirectory, Rejection
 from .format import signing
 from .format.manifest import parse_generation_name
 from .format.signing import SigningKey
@@ -101,13 +101,9 @@ class CheckpointManager:
                  storage_options: dict[str, Any] | None = None, mirror: str | None = None,
                  mirror_options: dict[str, Any] | None = None, mirror_retention: Retention | None = None,
                  mirror_timeout_s: float = 600.0, progress: bool | None = False, replicas: int | None = None,
-                 node: str | int | None = None, failure_domain: str | None = None, wait_replicas: bool = False):
-        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-            raise InvalidArgument(f"keep_last must be a positive int, got {keep_last!r}")
-        if retention is not None and keep_last is not None:
-            raise InvalidArgument("pass keep_last inside retention=Retention(keep_last=...), not both")
-        if retention is not None and not isinstance(retention, Retention):
-            raise InvalidType(f"retention must be a trainstate.Retention, got {type(retention).__name__}")
+                 node: str | int | None = None, failure_domain: str | None = None, wait_replicas: bool = False,
+                 mirror_every: int = 1):
+        runs.check_policy(keep_last, retention)
         publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
         self.store: Store = store if store is not None else open_store(directory, digest,
                                                                        storage_options=storage_options)
@@ -132,11 +128,15 @@ class CheckpointManager:
         self._writer = Writer(max_in_flight)
         weakref.finalize(self, report_at_exit, self._writer, str(directory))
         self._session = _session(process_group, collective_timeout_s)  # multi-rank mode, or None
-        if replicas is not None or node is not None or failure_domain is not None:  # node-local tiers
+        tiered = replicas is not None or node is not None or failure_domain is not None
+        if tiered or mirror_every != 1:  # node-local tiers; mirror= is then their remote tier
             from .distributed.tiers import attach
-
-            attach(self, replicas, node, failure_domain, wait_replicas, retention, mirror, preflight, headroom)
-        self._mirror = None if mirror is None else mirror_mod.attach(self, mirror, mirror_options, mirror_retention)
+            attach(self, dict(replicas=replicas, node=node, failure_domain=failure_domain, retention=retention,
+                              wait_replicas=wait_replicas, mirror=mirror, mirror_options=mirror_options,
+                              mirror_retention=mirror_retention, mirror_every=mirror_every, preflight=preflight,
+                              headroom=headroom))
+        self._mirror = None if mirror is None or tiered else mirror_mod.attach(self, mirror, mirror_options,
+                                                                               mirror_retention)
         self.mirror_timeout_s = mirror_timeout_s
         self._started: str | None = None  # last generation prepared (captured at a boundary)
         self._staged: str | None = None  # last background save whose owned copy exists

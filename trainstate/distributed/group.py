@@ -101,6 +101,16 @@ class Ranks:
             raise error
         raise CheckpointFailed(phase, failed)
 
+    def rank0_outcome(self, outcome: dict, error: BaseException | None, phase: str) -> dict:
+        """Rank 0's ``outcome`` (a JSON-able dict) on every rank; when it carries ``"error"``, rank 0 raises its own
+        ``error`` and the others :class:`CheckpointFailed` naming it."""
+        outcome = self.broadcast(outcome, phase)
+        if "error" in outcome:
+            if error is not None:
+                raise error
+            raise CheckpointFailed(phase, {0: outcome["error"]})
+        return outcome
+
     def barrier(self, phase: str) -> None:
         if self.unjoined is not None:  # a save some ranks never entered: they are elsewhere (training), so
             return  # waiting for them here would only hold back that error for the collective timeout

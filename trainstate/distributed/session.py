@@ -57,12 +57,12 @@ class Session:
         self.tier: Any = None  # node-local tiers (attach_tier), or None: one directory every rank shares
 
     def attach_tier(self, store: Any, replicas: int, keep_last: int, node: Any, failure_domain: Any,
-                    wait_replicas: bool, preflight: bool, headroom: float) -> None:
+                    wait_replicas: bool, preflight: bool, headroom: float, remote: Any = None) -> None:
         """Node-local tiers: each node's ranks share ``store``, a directory no other node sees (collective)."""
         from . import tiers
 
         self.tier = tiers.Tier(store, tiers.discover(self.fg, node, failure_domain), replicas, keep_last,
-                               wait_replicas, preflight, headroom)
+                               wait_replicas, preflight, headroom, remote)
         single = tiers.single_domain_shards(self.tier.topology.domains, replicas)
         if single:
             log.warning("with replicas=%d the copies of nodes %s all lie in one failure domain", replicas, single)
@@ -135,29 +135,43 @@ class Session:
                               content=manager._publisher.verify_mode == "full")
 
     def _publish_tiered(self, manager: Any, pending: DistPending, ranks: Ranks, background: bool) -> GenerationInfo:
-        """The local tier's commit on this thread; the replicas here too (a background save, ``wait_replicas``),
-        else on the writer thread, behind which the next save, ``wait`` and ``close`` wait."""
+        """The local tier's commit on this thread. The replicas and an upload follow on the writer thread (behind
+        which the next save, ``wait`` and ``close`` wait), or here for a background save (``wait_replicas``: the
+        replicas here, an upload still on the writer)."""
         from . import tiersave
 
         tier, key = self.tier, manager.key
         info, manifest_bytes = tiersave.publish(pending.snap, pending, ranks, tier, manager._publisher, key)
         manager._publisher.published = info.name
-        if tier.replicas < 2:
+        upload = tier.remote is not None and tier.remote.due(info.name)
+
+        def replicate(group: Ranks) -> None:
+            if tier.replicas > 1:
+                tiersave.replicate(info.name, manifest_bytes, group, tier, key)
+
+        def finish(group: Ranks) -> GenerationInfo:
+            if upload:
+                from .tierremote import upload as send
+
+                send(info.name, tiersave.read_manifest_bytes(manifest_bytes, info.name, key), manifest_bytes,
+                     group, tier, tier.remote)
             tiersave.prune(tier, key)
             return info
 
-        def replicate(group: Ranks) -> GenerationInfo:
-            tiersave.replicate(info.name, manifest_bytes, group, tier, key)
+        if background:
+            replicate(ranks)
+            return finish(ranks)
+        if tier.wait_replicas:
+            replicate(ranks)
+        if tier.wait_replicas and not upload or tier.replicas < 2 and not upload:
             tiersave.prune(tier, key)
             return info
-
-        if background or tier.wait_replicas:
-            return replicate(ranks)
         from ..asyncsave import Ticket
 
         ticket = Ticket()
         manager._writer.reserve(ticket)
-        manager._writer.hand_off(ticket, f"{info.name} (replicas)", lambda: replicate(self.bg))
+        later = finish if tier.wait_replicas else lambda group: (replicate(group), finish(group))[1]
+        manager._writer.hand_off(ticket, f"{info.name} (replicas, upload)", lambda: later(self.bg))
         return info
 
     def tier_status(self, manager: Any) -> dict | None:

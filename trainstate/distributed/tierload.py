@@ -34,14 +34,13 @@ from typing import Any
 
 from ..errors import CheckpointFailed, CorruptGeneration, NoValidGeneration, Rejection, StateMismatch, TrainStateError
 from ..format.digest import CHUNK_BYTES, digest_bytes
-from ..format.manifest import MANIFEST, POINTER, generation_order
+from ..format.manifest import MANIFEST, POINTER, RUN, generation_order, parse_generation_name, run_to_bytes
 from ..records import RestoreInfo
 from ..state.train_state import TrainState
-from ..storage.fetched import Fetched
 from ..storage.verify import Verified
 from . import load
 from .group import Ranks
-from .share import _share
+from .tierfetch import Holdings
 from .tiers import Tier, broadcast_bytes, holdings, parse_shared_manifest, placement, rank_files
 from .tiersave import _point, _recorded_run, _write_checked, check_holding, node_files
 
@@ -56,27 +55,23 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     topo = tier.topology
     report = {"holds": holdings(tier.stores(), key), "run": _recorded_run(tier, key)} if topo.is_leader else {}
     reports = ranks.all_gather(report, "report")
-    nodes = [reports[topo.leader(n)] for n in range(topo.nodes)]
-    run = next((r["run"] for r in nodes if r["run"]), None)
+    held: dict[Any, dict] = {n: reports[topo.leader(n)]["holds"] for n in range(topo.nodes)}
+    run = next((reports[topo.leader(n)]["run"] for n in range(topo.nodes) if reports[topo.leader(n)]["run"]), None)
+    if tier.remote is not None and _needs_remote(held):  # else not one request to the object store
+        held["remote"] = ranks.broadcast(_remote_holdings(tier.remote) if ranks.rank == 0 else None, "report")
     templates = load._templates(state)
     rejected: list[Rejection] = []
-    names = sorted({n for r in nodes for n in r["holds"]}, key=generation_order, reverse=True)
-    for name, digest in _candidates(nodes, run, generation, rejected):
-        holders = {n: nodes[n]["holds"][name]["files"] for n in range(topo.nodes)
-                   if nodes[n]["holds"].get(name, {}).get("digest") == digest}
-        first = topo.leader(min(holders))
-        data = None
-        if ranks.rank == first:
-            with tier.stores()[nodes[topo.node]["holds"][name]["tier"]].open(name, MANIFEST) as stream:
-                data = stream.read()
-        data = broadcast_bytes(ranks, data, first, "choose")
+    names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
+    for name, digest in _candidates(held, run, generation, rejected):
+        holders = {n: h[name]["files"] for n, h in held.items() if h.get(name, {}).get("digest") == digest}
+        data = _shared_manifest(name, holders, held, tier, ranks)
         view, problem = None, ""
         try:
             manifest = parse_shared_manifest(data, name, digest, key)
             lacking = [f.name for f in manifest.files if not any(f.name in files for files in holders.values())]
             if lacking:
                 raise CorruptGeneration(name, f"no surviving node holds {lacking[0]} (nor {len(lacking) - 1} other "
-                                        "files): not servable from the local tiers")
+                                        "files)" + (", nor the remote" if tier.remote is not None else ""))
             view = Holdings(tier, manifest, data, holders, names)
         except CorruptGeneration as exc:
             problem = f"{exc}"
@@ -108,17 +103,66 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     raise NoValidGeneration(tier.own.location, rejected)
 
 
-def _candidates(nodes: list[dict], run: str | None, generation: str | None,
+def _needs_remote(held: dict[Any, dict]) -> bool:
+    """Whether the remote is read: only when no node holds anything, or the newest generation a node holds is not
+    whole on the nodes (every process restarted with its disk: zero requests to the object store)."""
+    names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
+    if not names:
+        return True
+    entries = [h[names[0]] for h in held.values() if names[0] in h]
+    covered = {f for e in entries if e["digest"] == entries[0]["digest"] for f in e["files"]}
+    return len(covered) < entries[0]["count"]
+
+
+def _remote_holdings(remote: Any) -> dict[str, dict]:
+    """Rank 0: the remote's full generations as holdings (every file, by its manifest); unreadable ones left out."""
+    from ..storage.base import pinned
+    from ..storage.verify import read_manifest
+
+    out: dict[str, dict] = {}
+    try:
+        with pinned(remote.store):
+            for name in remote.store.generations():
+                if parse_generation_name(name)[1] != "full":
+                    continue
+                try:
+                    manifest, digest, _ = read_manifest(remote.store, name, None, remote.key)
+                except (CorruptGeneration, OSError) as exc:
+                    log.warning("remote %s/%s is unreadable (%s)", remote.store.location, name, exc)
+                    continue
+                out[name] = {"digest": digest, "run": manifest.run, "update": manifest.next_update, "tier": "remote",
+                             "count": len(manifest.files), "files": {f.name: [f.size, "remote"] for f in manifest.files}}
+    except (TrainStateError, OSError) as exc:
+        log.error("cannot list the remote %s (%s); restoring from the nodes only", remote.store.location, exc)
+    return out
+
+
+def _shared_manifest(name: str, holders: dict[Any, dict], held: dict[Any, dict], tier: Tier, ranks: Ranks) -> bytes:
+    """The candidate's manifest on every rank, from the first node that holds it (rank 0 reads the remote's)."""
+    topo = tier.topology
+    nodes = [n for n in holders if n != "remote"]
+    first = topo.leader(min(nodes)) if nodes else 0
+    data = None
+    if ranks.rank == first:
+        store = tier.remote.store if not nodes else tier.stores()[held[topo.node][name]["tier"]]
+        with store.open(name, MANIFEST) as stream:
+            data = stream.read()
+    return broadcast_bytes(ranks, data, first, "choose")
+
+
+def _candidates(held: dict[Any, dict], run: str | None, generation: str | None,
                 rejected: list[Rejection]) -> list[tuple[str, str]]:
-    """(name, manifest digest) newest first; a name whose holders disagree, or of another run, is rejected."""
-    names = sorted({n for r in nodes for n in r["holds"]}, key=generation_order, reverse=True)
+    """(name, manifest digest) newest first; a name the nodes hold under different manifests, or of another run,
+    is rejected. The remote's copy counts only with the digest the nodes hold (or where no node holds it)."""
+    names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
     if generation is not None:
         names = [n for n in names if n == generation]
         if not names:
             rejected.append(Rejection(generation, "no node holds it"))
     out = []
     for name in names:
-        entries = [r["holds"][name] for r in nodes if name in r["holds"]]
+        entries = [h[name] for where, h in held.items() if name in h and where != "remote"]
+        entries = entries or [held["remote"][name]]
         if len({e["digest"] for e in entries}) > 1:
             rejected.append(Rejection(name, "nodes hold different manifests under this name"))
             continue
@@ -129,148 +173,17 @@ def _candidates(nodes: list[dict], run: str | None, generation: str | None,
     return out
 
 
-def _chunk_bytes(manifest: Any, name: str, index: int) -> int:
-    record = manifest.file(name)
-    return record.size if not record.chunks else min(CHUNK_BYTES, record.size - index * CHUNK_BYTES)
-
-
-def _spans(chunks: list[int]) -> list[tuple[int, int]]:
-    return [(i * CHUNK_BYTES, i * CHUNK_BYTES + 1) for i in chunks]
-
-
-class _NodeDisk:
-    """What one node holds of one generation, read like a store: the files of both tiers, the full manifest."""
-
-    def __init__(self, tier: Tier, manifest: Any, manifest_bytes: bytes, holders: dict[int, dict], names: list[str]):
-        self.tier, self.manifest, self.manifest_bytes, self.names = tier, manifest, manifest_bytes, names
-        self.mine = holders.get(tier.topology.node, {})
-        self.location = tier.own.location
-        self.digest_algorithm = manifest.digest_algorithm
-        self.sizes = {f.name: f.size for f in manifest.files}
-
-    def _store(self, file: str) -> Any:
-        held = self.mine.get(file)
-        if held is None:
-            raise FileNotFoundError(f"{self.location}: this node holds no {self.manifest.generation}/{file}")
-        return self.tier.stores()[held[1]]
-
-    def files(self, generation: str) -> dict[str, int]:
-        return dict(self.sizes)
-
-    def open(self, generation: str, file: str) -> Any:
-        return self._store(file).open(generation, file)
-
-    def read_ranges(self, generation: str, file: str, spans: list[tuple[int, int]]) -> list[memoryview]:
-        out = []
-        with self.open(generation, file) as stream:
-            for begin, end in spans:
-                stream.seek(begin)
-                buffer = bytearray(end - begin)
-                view = memoryview(buffer)
-                got = 0
-                while got < len(buffer):
-                    n = stream.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                out.append(view[:got])
-        return out
-
-    def read_pointer(self, name: str) -> bytes | None:
-        return self.tier.own.read_pointer(name)
-
-    def generations(self) -> list[str]:
-        """Every generation some node holds (a restore from an older one forks the timeline)."""
-        return list(self.names)
-
-
-class Holdings(Fetched):
-    """One candidate as the nodes hold it: every chunk read from a node's disk and verified before it is kept."""
-
-    def __init__(self, tier: Tier, manifest: Any, manifest_bytes: bytes, holders: dict[int, dict], names: list[str]):
-        super().__init__(_NodeDisk(tier, manifest, manifest_bytes, holders, names))
-        self._small[(manifest.generation, MANIFEST)] = manifest_bytes
-        self.tier, self.holders = tier, holders
-        self.loaded = {"local": 0, "peer": 0}  # bytes this rank asked for, by source
-        self.damaged: set[tuple[int, str, str]] = set()  # (node, file, tier) found not to match the manifest
-
-    def together(self, fetched: Fetched, manifest: Any, ranks: Ranks, wanted: dict, problem: str) -> tuple[str, bool]:
-        """One collective fetch round (as :func:`.share.fetch_together`), where a holding found damaged is
-        dropped and its chunks read again from another node that holds the file, until no holder is left."""
-        topo = self.tier.topology
-        asked = {} if problem else dict(wanted)
-        while True:
-            asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted}, "fetch")
-            if any(a["problem"] for a in asks):
-                return problem, False
-            plan = self._assign([a["wanted"] for a in asks], manifest)
-            bad, error = [], ""
-            for name, chunks in plan[ranks.rank].items():
-                try:
-                    fetched.fetch_chunks(manifest, name, chunks)
-                except (CorruptGeneration, OSError) as exc:
-                    bad.append(name)
-                    error = error or f"{exc} (on node {topo.node}, {self.tier.own.location})"
-            reports = ranks.all_gather({"bad": bad, "error": error}, "fetch")
-            if not any(r["bad"] for r in reports):
-                break
-            for rank, report in enumerate(reports):
-                for name in report["bad"]:
-                    log.warning("%s: %s; reading it from another node", manifest.generation, report["error"])
-                    held = self.holders.get(topo.node_of[rank], {}).pop(name, None)
-                    if held is not None:
-                        self.damaged.add((topo.node_of[rank], name, held[1]))
-            gone = sorted({n for r in reports for n in r["bad"]
-                           if not any(n in files for files in self.holders.values())})
-            if gone:
-                return next(r["error"] for r in reports if r["bad"]) + (
-                    f"; no other node holds {gone[0]}"), False
-            wanted = {name: fetched.missing(manifest, name, _spans(chunks)) for name, chunks in wanted.items()}
-            wanted = {name: chunks for name, chunks in wanted.items() if chunks}
-        error = ""
-        for source in range(ranks.world_size):
-            error = _share(fetched, manifest, ranks, source, plan[source], asks) or error
-        mine = self.holders.get(topo.node, {})  # without any copy found damaged: those chunks came from a peer
-        for name, chunks in asked.items():
-            self.loaded["local" if name in mine else "peer"] += sum(_chunk_bytes(manifest, name, i) for i in chunks)
-        return error, not any(ranks.all_gather(error, "fetch"))
-
-    def _assign(self, wants: list[dict], manifest: Any) -> list[dict]:
-        """Each wanted chunk to one rank: the asking rank itself when its node holds the file, else the least
-        loaded rank of a node that holds it (the same answer on every rank)."""
-        topo = self.tier.topology
-        load_ = [0] * len(wants)
-        plan: list[dict] = [{} for _ in wants]
-        needers: dict[tuple[str, int], list[int]] = {}
-        for rank, wanted in enumerate(wants):
-            for name, chunks in wanted.items():
-                for index in chunks:
-                    needers.setdefault((name, index), []).append(rank)
-        for (name, index), ranks_ in sorted(needers.items()):
-            holding = [n for n, files in self.holders.items() if name in files]
-            local = [r for r in ranks_ if topo.node_of[r] in holding]
-            pool = local or [r for n in holding for r in topo.ranks_on(n)]
-            rank = min(pool, key=lambda r: (load_[r], r))
-            load_[rank] += CHUNK_BYTES
-            plan[rank].setdefault(name, []).append(index)
-        return plan
-
-    def sources(self) -> dict[str, int]:
-        """Bytes this rank asked for, by where they came from: its own node's disk, or another node's."""
-        return dict(self.loaded)
-
-
 def _log_sources(name: str, sources: list[dict], rank: int) -> None:
     if rank == 0:
-        local, peer = sum(s["local"] for s in sources), sum(s["peer"] for s in sources)
-        log.info("restored %s from the local tiers: %s bytes from each rank's own node, %s from peers", name,
-                 f"{local:,}", f"{peer:,}")
+        total = {where: sum(s[where] for s in sources) for where in ("local", "peer", "remote")}
+        log.info("restored %s: %s bytes from each rank's own node, %s from peers, %s from the remote", name,
+                 *(f"{total[w]:,}" for w in ("local", "peer", "remote")))
 
 
 def _with_sources(info: RestoreInfo, sources: list[dict]) -> RestoreInfo:
     import dataclasses
 
-    total = {"local": sum(s["local"] for s in sources), "peer": sum(s["peer"] for s in sources), "remote": 0}
+    total = {where: sum(s[where] for s in sources) for where in ("local", "peer", "remote")}
     return dataclasses.replace(info, sources=total)
 
 
@@ -312,6 +225,8 @@ def _refill(view: Holdings, manifest: Any, manifest_bytes: bytes, ranks: Ranks, 
             staging.abort()
             error = exc
     ranks.check("refill", error)
+    if topo.is_leader and manifest.run and _recorded_run(tier, key) is None:  # a replacement node joins the run
+        tier.own.write_pointer(RUN, run_to_bytes(manifest.run, key))
     verified = Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
     _point(verified, ranks, tier, key)
     whole = True

@@ -400,6 +400,8 @@ def prune(tier: Tier, key: Any) -> list[str]:
     kept = [n for n in tier.own.generations() if parse_generation_name(n)[1] == "full"
             and generation_order(n) <= newest][:tier.keep_last]
     keep = set(kept) | {local.generation} | ({replicated.generation} if replicated else set())
+    if tier.remote is not None and tier.remote.pending:  # chosen for upload, not on the remote yet
+        keep.add(tier.remote.pending)
     removed = []
     for store in tier.stores().values():
         for name in store.generations():

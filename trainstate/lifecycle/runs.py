@@ -12,11 +12,21 @@ import dataclasses
 import logging
 from collections.abc import Collection
 
-from ..errors import ExistingRun
+from ..errors import ExistingRun, InvalidArgument, InvalidType
 from .generations import Lifecycle
 from .retention import Retention
 
 log = logging.getLogger("trainstate")
+
+
+def check_policy(keep_last: object, retention: object) -> None:
+    """The manager's ``keep_last`` and ``retention`` arguments, before anything is opened."""
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise InvalidArgument(f"keep_last must be a positive int, got {keep_last!r}")
+    if retention is not None and keep_last is not None:
+        raise InvalidArgument("pass keep_last inside retention=Retention(keep_last=...), not both")
+    if retention is not None and not isinstance(retention, Retention):
+        raise InvalidType(f"retention must be a trainstate.Retention, got {type(retention).__name__}")
 
 
 def effective_policy(lifecycle: Lifecycle, keep_last: int | None, explicit: Retention | None) -> Retention:

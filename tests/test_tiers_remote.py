@@ -1,0 +1,76 @@
+"""The remote tier behind node-local tiers: every ``mirror_every``-th generation on an object store (moto on
+loopback, counted by a proxy), written from the nodes' disks; a restore reads it only when the nodes cannot serve.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from multinode import launch_nodes
+from objectservers import FaultProxy, moto_server  # noqa: F401  (fixture)
+from test_tiers import GEN, _resumed
+from trainstate.storage.locate import open_store
+from trainstate.storage.verify import verify_generation
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("obstore")
+WORKER = Path(__file__).resolve().parent / "tier_worker.py"
+
+
+def _lose(directory: Path) -> None:
+    shutil.rmtree(directory)
+    directory.mkdir()
+
+
+def test_remote_tier_uploads_every_second_generation_and_serves_only_what_the_nodes_lost(moto_server, tmp_path):
+    bucket = moto_server.make_bucket()
+    url = moto_server.url(bucket, f"run-{uuid.uuid4().hex[:8]}")
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    out = tmp_path / "out"
+    with FaultProxy(moto_server.endpoint) as proxy:
+        options = moto_server.storage_options(endpoint=proxy.endpoint)
+        env = {"TRAINSTATE_TEST_S3": json.dumps({"url": url, "storage_options": options}), "TS_MIRROR_EVERY": "2"}
+        trained = launch_nodes(out, dirs, ["tier_train"], worker=WORKER, nproc=2, env=env)
+        trained.ok("tier_train", 4)
+        remote = open_store(url, storage_options=options)
+        assert remote.generations() == [GEN, "gen-000000000002"]  # the first save, then every second one
+        verify_generation(remote, GEN, content=True)  # an ordinary multi-rank generation: every byte verifies
+
+        # every process killed, nothing lost: the nodes serve it, not one request reaches the object store
+        proxy.clear()
+        first = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=2, env=env), "tier_resume", 4)
+        assert first[0]["sources"]["remote"] == 0 and proxy.count() == 0, [t.path for t in proxy.traffic][:5]
+
+        # every node's directory lost: from the remote alone, then every node refilled
+        for directory in dirs:
+            _lose(directory)
+        proxy.clear()
+        launched = launch_nodes(out, dirs, ["tier_resume", "tier_resume_again"], worker=WORKER, nproc=2, env=env)
+        alone = _resumed(launched, "tier_resume", 4)
+        assert alone[0]["generation"] == GEN and alone[0]["sources"]["local"] == 0  # no disk held any of it
+        assert alone[0]["sources"]["remote"] > 0 and proxy.count("GET") > 0
+        again = _resumed(launched, "tier_resume_again", 4)
+        assert again[0]["sources"]["remote"] == 0 and again[0]["sources"]["local"] > 0, "the nodes were refilled"
+
+
+def test_a_lost_node_without_replicas_takes_only_its_own_shards_from_the_remote(moto_server, tmp_path):
+    bucket = moto_server.make_bucket()
+    url = moto_server.url(bucket, f"run-{uuid.uuid4().hex[:8]}")
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    out = tmp_path / "out"
+    env = {"TRAINSTATE_TEST_S3": json.dumps({"url": url, "storage_options": moto_server.storage_options()}),
+           "TS_MIRROR_EVERY": "1", "TS_REPLICAS": "1"}
+    launch_nodes(out, dirs, ["tier_train"], worker=WORKER, nproc=1, env=env).ok("tier_train", 2)
+    lost = next(i for i, d in enumerate(dirs) if (d / GEN / "rank-00001.json").exists())
+    _lose(dirs[lost])
+    mixed = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=1, env=env), "tier_resume", 2)
+    sources = mixed[0]["sources"]  # the surviving node reads its own disk; the replacement its shards remotely
+    assert sources["local"] > 0 and sources["remote"] > 0, sources
+    remote_files = open_store(url, storage_options=moto_server.storage_options()).files(GEN)
+    lost_rank = sum(size for name, size in remote_files.items() if name.startswith(("rank-00001", "shard-00001")))
+    assert sources["remote"] <= lost_rank, (sources, lost_rank)  # the global files came from the surviving node
