@@ -130,7 +130,7 @@ class CheckpointManager:
         self._session = _session(process_group, collective_timeout_s)  # multi-rank mode, or None
         tiered = replicas is not None or node is not None or failure_domain is not None
         if tiered or mirror_every != 1:  # node-local tiers; mirror= is then their remote tier
-            from .distributed.tiers import attach
+            from .distributed.tieroptions import attach
             attach(self, dict(replicas=replicas, node=node, failure_domain=failure_domain, retention=retention,
                               wait_replicas=wait_replicas, mirror=mirror, mirror_options=mirror_options,
                               mirror_retention=mirror_retention, mirror_every=mirror_every, preflight=preflight,

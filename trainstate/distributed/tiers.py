@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CorruptGeneration, InvalidArgument, InvalidType
+from ..errors import CorruptGeneration, InvalidArgument
 from ..format.digest import digest_bytes
 from ..format.manifest import MANIFEST, POINTER, Manifest, Pointer, parse_generation_name, parse_manifest
 from ..format.signing import SigningKey
@@ -93,42 +93,6 @@ class Tier:
 
     def stores(self) -> dict[str, LocalStore]:
         return {"own": self.own, "replica": self.replica}
-
-
-def attach(manager: Any, options: dict[str, Any]) -> None:
-    """Node-local tiers (``replicas=``): each node its own directory, every node's files on ``replicas`` nodes;
-    ``mirror=`` then names the remote tier behind them, written every ``mirror_every``-th generation."""
-    replicas, every = options["replicas"], options["mirror_every"]
-    replicas = 1 if replicas is None else replicas
-    if type(replicas) is not int or replicas < 1:
-        raise InvalidArgument(f"replicas must be a positive int (copies of each node's files), got {replicas!r}")
-    if type(every) is not int or every < 1:
-        raise InvalidArgument(f"mirror_every must be a positive int (upload every N-th generation), got {every!r}")
-    if type(options["wait_replicas"]) is not bool:
-        raise InvalidType(f"wait_replicas must be a bool, got {type(options['wait_replicas']).__name__}")
-    if manager._session is None:
-        raise InvalidArgument("replicas=, node=, failure_domain= and mirror_every= are for multi-node runs: "
-                              "initialize torch.distributed (torchrun) first; a single process keeps one directory "
-                              "(and mirror= uploads every generation)")
-    if getattr(manager.store, "remote", False) or not hasattr(manager.store, "root"):
-        raise InvalidArgument(f"node-local tiers need a local directory on each node, not {manager.store.location}")
-    if options["retention"] is not None:
-        raise InvalidArgument("node-local tiers keep the newest keep_last generations; pass keep_last=, not "
-                              "retention= (milestones, best and pins are not available with tiers yet)")
-    remote = None
-    if options["mirror"] is not None:
-        from ..lifecycle.retention import Retention
-        from ..storage.locate import open_store
-        from .tierremote import Remote
-
-        store = open_store(options["mirror"], manager.store.digest_algorithm, storage_options=options["mirror_options"])
-        if not getattr(store, "remote", False):
-            raise InvalidArgument(f"mirror= must be an object-store URL (s3://, gs://, az://), not {store.location}")
-        remote = Remote(store, options["mirror_retention"] or Retention(keep_last=manager.retention.keep_last),
-                        every, manager.key)
-    manager._session.attach_tier(manager.store, replicas, manager.retention.keep_last, options["node"],
-                                 options["failure_domain"], options["wait_replicas"], options["preflight"],
-                                 options["headroom"], remote)
 
 
 def launcher_node(node: Any = None) -> str:
