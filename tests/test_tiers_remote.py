@@ -36,7 +36,13 @@ def test_remote_tier_uploads_every_second_generation_and_serves_only_what_the_no
         options = moto_server.storage_options(endpoint=proxy.endpoint)
         env = {"TRAINSTATE_TEST_S3": json.dumps({"url": url, "storage_options": options}), "TS_MIRROR_EVERY": "2"}
         trained = launch_nodes(out, dirs, ["tier_train"], worker=WORKER, nproc=2, env=env)
-        trained.ok("tier_train", 4)
+        status = trained.ok("tier_train", 4)[0]["tiers"]  # after wait(): every tier names the newest
+        assert status["remote"]["generation"] == GEN and status["remote"]["lag_updates"] == 0, status
+        timings = {}
+        for directory in dirs:
+            record = directory / "tier-timings.json"
+            timings.update({k: v for k, v in json.loads(record.read_text()).items() if v} if record.exists() else {})
+        assert {"save_local", "replicate", "upload"} <= set(timings), timings  # measured, for `cadence --run`
         remote = open_store(url, storage_options=options)
         assert remote.generations() == [GEN, "gen-000000000002"]  # the first save, then every second one
         verify_generation(remote, GEN, content=True)  # an ordinary multi-rank generation: every byte verifies

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,20 +142,23 @@ class Session:
         from . import tiersave
 
         tier, key = self.tier, manager.key
-        info, manifest_bytes = tiersave.publish(pending.snap, pending, ranks, tier, manager._publisher, key)
+        info, manifest_bytes = self._timed("save_local", lambda: tiersave.publish(
+            pending.snap, pending, ranks, tier, manager._publisher, key), lambda out: out[0].size)
         manager._publisher.published = info.name
         upload = tier.remote is not None and tier.remote.due(info.name)
 
         def replicate(group: Ranks) -> None:
             if tier.replicas > 1:
-                tiersave.replicate(info.name, manifest_bytes, group, tier, key)
+                self._timed("replicate", lambda: tiersave.replicate(info.name, manifest_bytes, group, tier, key),
+                            lambda _: info.size)
 
         def finish(group: Ranks) -> GenerationInfo:
             if upload:
                 from .tierremote import upload as send
 
-                send(info.name, tiersave.read_manifest_bytes(manifest_bytes, info.name, key), manifest_bytes,
-                     group, tier, tier.remote)
+                manifest = tiersave.read_manifest_bytes(manifest_bytes, info.name, key)
+                self._timed("upload", lambda: send(info.name, manifest, manifest_bytes, group, tier, tier.remote),
+                            lambda _: info.size, leader_only=False)
             tiersave.prune(tier, key)
             return info
 
@@ -174,32 +178,69 @@ class Session:
         manager._writer.hand_off(ticket, f"{info.name} (replicas, upload)", lambda: later(self.bg))
         return info
 
+    def _timed(self, kind: str, work: Any, size: Any, leader_only: bool = True) -> Any:
+        """``work()``, its duration recorded in the node's directory (rank 0's alone where ``leader_only`` is
+        False: an upload is rank 0's to finish)."""
+        from . import tiertimes
+
+        started = time.monotonic()
+        out = work()
+        if (self.tier.topology.is_leader if leader_only else self.rank == 0):
+            tiertimes.record(self.tier.own, kind, time.monotonic() - started, size(out))
+        return out
+
     def tier_status(self, manager: Any) -> dict | None:
-        """What this node's pointers name per tier: the local tier, the replicated one (None without tiers)."""
+        """Per tier, the newest generation that survives its failure class, as this node's pointers name it:
+        ``local`` a process crash, ``replicated`` the loss of any one failure domain, ``remote`` the loss of every
+        node (as of this manager's last upload). Each with its update, and its lag behind ``local`` in updates and
+        in seconds between the two saves. ``None`` without tiers. A generation still replicating or uploading is
+        never named: its pointer moves only once it is complete."""
         if self.tier is None:
             return None
-        from ..format.manifest import POINTER
-        from ..storage.verify import read_pointed
+        import datetime
 
-        out: dict[str, Any] = {}
-        for name, store in (("local", self.tier.own), ("replicated", self.tier.replica)):
-            pointer = read_pointed(store, POINTER, manager.key) if name == "local" or self.tier.replicas > 1 else None
-            out[name] = None if pointer is None else {"generation": pointer.generation, "update": pointer.next_update}
+        from ..format.manifest import POINTER
+        from ..storage.verify import read_manifest, read_pointed
+
+        def named(store: Any) -> dict | None:
+            pointer = read_pointed(store, POINTER, manager.key)
+            if pointer is None:
+                return None
+            try:
+                created = read_manifest(store, pointer.generation, pointer, manager.key)[0].created
+            except (TrainStateError, OSError):
+                created = None
+            return {"generation": pointer.generation, "update": pointer.next_update, "created": created}
+
+        out = {"local": named(self.tier.own), "replicated": named(self.tier.replica) if self.tier.replicas > 1
+               else None, "remote": dict(self.tier.remote.latest) if self.tier.remote and self.tier.remote.latest
+               else None}
         local = out["local"]
-        for name in ("replicated",):
-            if out[name] is not None and local is not None:
-                out[name]["lag_updates"] = local["update"] - out[name]["update"]
-        out["remote"] = None  # the remote tier behind the nodes is not built yet
+        for name in ("local", "replicated", "remote"):
+            entry = out[name]
+            if entry is None or local is None:
+                continue
+            entry["lag_updates"] = local["update"] - entry["update"]
+            try:
+                entry["lag_s"] = round((datetime.datetime.fromisoformat(local["created"]) -
+                                        datetime.datetime.fromisoformat(entry["created"])).total_seconds(), 3)
+            except (TypeError, ValueError):
+                entry["lag_s"] = None
         return out
 
     # restoring -------------------------------------------------------------------------------------------
     def restore(self, manager: Any, state: TrainState, generation: str | None, allow_changes: Iterable[str],
                 statistical_cuda: bool) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
         if self.tier is not None:
-            from . import tierload
+            from . import tierload, tiertimes
 
-            return tierload.restore(state, self.fg, self.tier, manager.key, generation=generation,
-                                    allow_changes=allow_changes, statistical_cuda=statistical_cuda)
+            started = time.monotonic()
+            info, rejected = tierload.restore(state, self.fg, self.tier, manager.key, generation=generation,
+                                              allow_changes=allow_changes, statistical_cuda=statistical_cuda)
+            if info is not None and info.sources is not None and self.tier.topology.is_leader:
+                tiertimes.record(self.tier.own, tiertimes.restore_kind(info.sources), time.monotonic() - started,
+                                 sum(info.sources.values()))
+            return info, rejected
         return load.restore(state, self.fg, manager.store, manager.key, generation=generation,
                             allow_changes=allow_changes, statistical_cuda=statistical_cuda)
 
