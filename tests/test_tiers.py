@@ -14,7 +14,9 @@ import pytest
 
 import trainstate as ts
 from multinode import launch_nodes
+from trainstate.cli.main import main as cli_main
 from trainstate.distributed.tiers import placement, single_domain_shards
+from trainstate.tools.nodes import check_nodes
 
 WORKER = Path(__file__).resolve().parent / "tier_worker.py"
 GEN = "gen-000000000006"
@@ -101,6 +103,18 @@ def test_two_nodes_resume_from_own_disk_from_a_replica_past_a_flipped_bit_and_af
     again = _resumed(launched, "tier_resume_again", 4)
     assert again[0]["sources"]["peer"] == 0, "the replacement node was refilled with its own holding"
     assert (dirs[1] / GEN).is_dir() and (dirs[1] / "replicas" / GEN).is_dir()
+
+    # the nodes read together from their directories (`trainstate nodes`): sound, and then two controls
+    report = check_nodes(dirs)
+    assert report["failures"] == [] and report["recovery_point"] == GEN, report
+    assert report["generations"][GEN]["survives_one_node"]
+    assert cli_main(["ls", str(dirs[0])]) == 1  # one node's directory alone: refused, pointing to `nodes`
+    _flip(sorted((dirs[0] / GEN).glob("shard-0000?.safetensors"))[0])
+    report = check_nodes(dirs)
+    assert any("digest mismatch" in f for f in report["failures"]), report["failures"]
+    assert report["generations"][GEN]["servable"] and not report["generations"][GEN]["survives_one_node"]
+    assert any("replicas/latest names" in f for f in report["failures"]), report["failures"]
+    assert cli_main(["nodes", *map(str, dirs)]) == 1
 
 
 def test_four_nodes_in_two_racks_replicas_across_racks_and_a_shard_lost_with_every_copy(tmp_path):

@@ -24,6 +24,7 @@ from . import export as cli_export
 from . import hfdiscard as cli_hfdiscard
 from . import lifecycle as cli_lifecycle
 from . import listing
+from . import nodes as cli_nodes
 from . import timeline as cli_timeline
 from . import supervise as cli_supervise
 from .. import progress
@@ -70,6 +71,7 @@ def _open_target(target: str) -> tuple[Store, list[str], bool]:
 def cmd_ls(args: argparse.Namespace) -> int:
     """Generations as a table (or ``--timeline``), and the recovery point: chosen as restore chooses, its
     digests checked (``--quick``: by structure only, and said so)."""
+    cli_nodes.refuse_single_node(args.directory, "ls")
     store, names, _ = _open_target(args.directory)
     report = listing.gather(store, names, signing.resolve(None, store.location), full=args.full, quick=args.quick)
     if args.json:
@@ -121,6 +123,7 @@ def _total_bytes(store: Store, names: list[str], key: Any) -> int | None:
 def cmd_verify(args: argparse.Namespace) -> int:
     if cli_export.is_bundle(args.target):  # a release bundle written by `trainstate export`
         return cli_export.cmd_verify_bundle(args)
+    cli_nodes.refuse_single_node(args.target, "verify")
     store, names, single = _open_target(args.target)
     with pinned(store):  # an object store: each commit record read once, for the generation and its pointer
         return _verify_run(args, store, names, single)
@@ -312,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_diff.add_parser(sub)
     cli_doctor.add_parser(sub)
     cli_export.add_parser(sub)
+    cli_nodes.add_parser(sub)
     cli_supervise.add_parsers(sub)
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
