@@ -11,6 +11,7 @@ import argparse
 import json
 from typing import Any
 
+from . import sla as cli_sla
 from ..lifecycle import cadence as cadence_mod
 from ..format import signing
 from ..errors import InvalidArgument, TrainStateError
@@ -164,6 +165,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_cadence(args: argparse.Namespace) -> int:
+    measured_flags = [f for f in ("process_mtbf", "node_mtbf", "all_mtbf", "every", "mirror_every")
+                      if getattr(args, f) is not None]
+    if args.run is not None:
+        if args.save_cost is not None or args.mtbf is not None:
+            raise InvalidArgument("--save-cost and --mtbf are the explicit mode's; with --run the save cost is "
+                                  "measured: give the failure rates as --process-mtbf, --node-mtbf, --all-mtbf")
+        return cli_sla.run(args)
+    if measured_flags:
+        raise InvalidArgument(f"--{measured_flags[0].replace('_', '-')} needs --run NODE_DIR (the measured mode)")
+    missing = [flag for flag, value in (("--save-cost", args.save_cost), ("--mtbf", args.mtbf),
+                                        ("--step-time", args.step_time)) if value is None]
+    if missing:
+        raise InvalidArgument(f"{', '.join(missing)} required: pass --save-cost, --mtbf and --step-time (seconds), "
+                              "or --run NODE_DIR to measure them from a tiered run")
     advice = cadence_mod.advise(args.save_cost, args.mtbf, args.step_time, args.restart)
     if args.json:
         print(json.dumps(advice.__dict__, indent=1))
@@ -196,11 +211,15 @@ def register(sub: Any) -> None:
     p.add_argument("--weights-size", type=int, default=None, help="bytes per weights-only generation")
     _policy_flags(p)
     p.set_defaults(func=cmd_plan)
-    p = sub.add_parser("cadence", help="Young's and Daly's checkpoint intervals (a model, not a guarantee)")
-    p.add_argument("--save-cost", type=float, required=True, help="seconds a save blocks training")
-    p.add_argument("--mtbf", type=float, required=True, help="mean time between failures, seconds")
-    p.add_argument("--step-time", type=float, required=True, help="seconds per update")
-    p.add_argument("--restart", type=float, default=0.0, help="seconds a restart costs")
+    p = sub.add_parser("cadence", help="Young's and Daly's checkpoint intervals (a model, not a guarantee); with "
+                       "--run, per tier and failure class from a tiered run's measurements")
+    p.add_argument("--save-cost", type=float, default=None, help="seconds a save blocks training")
+    p.add_argument("--mtbf", type=float, default=None, help="mean time between failures, seconds")
+    p.add_argument("--step-time", type=float, default=None, help="seconds per update (with --run: overrides the "
+                   "measured figure)")
+    p.add_argument("--restart", type=float, default=0.0, help="seconds a restart costs (with --run: added to every "
+                   "recovery; the run measures only the restore itself)")
+    cli_sla.add_flags(p)
     p.set_defaults(func=cmd_cadence)
 
 

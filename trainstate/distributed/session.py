@@ -142,9 +142,9 @@ class Session:
         from . import tiersave
 
         tier, key = self.tier, manager.key
-        info, manifest_bytes = self._timed("save_local", lambda: tiersave.publish(
-            pending.snap, pending, ranks, tier, manager._publisher, key), lambda out: out[0].size)
+        info, manifest_bytes = tiersave.publish(pending.snap, pending, ranks, tier, manager._publisher, key)
         manager._publisher.published = info.name
+        self._published_bytes = info.size  # for the blocking time the manager's clock reports (record_blocking)
         upload = tier.remote is not None and tier.remote.due(info.name)
 
         def replicate(group: Ranks) -> None:
@@ -177,6 +177,14 @@ class Session:
         later = finish if tier.wait_replicas else lambda group: (replicate(group), finish(group))[1]
         manager._writer.hand_off(ticket, f"{info.name} (replicas, upload)", lambda: later(self.bg))
         return info
+
+    def record_blocking(self, seconds: float) -> None:
+        """A save's whole blocking time (capture, the wait for the previous save's replicas, the local commit),
+        as the manager's clock measured it, recorded in the node's directory as ``save_local``."""
+        from . import tiertimes
+
+        if self.tier is not None and self.tier.topology.is_leader:
+            tiertimes.record(self.tier.own, "save_local", seconds, getattr(self, "_published_bytes", 0))
 
     def _timed(self, kind: str, work: Any, size: Any, leader_only: bool = True) -> Any:
         """``work()``, its duration recorded in the node's directory (rank 0's alone where ``leader_only`` is

@@ -39,6 +39,7 @@ def attach(manager: Any, options: dict[str, Any]) -> None:
             raise InvalidArgument(f"mirror= must be an object-store URL (s3://, gs://, az://), not {store.location}")
         remote = Remote(store, options["mirror_retention"] or Retention(keep_last=manager.retention.keep_last),
                         every, manager.key)
+    manager._clock.on_saved = manager._session.record_blocking  # each save's blocking time, on the node's disk
     manager._session.attach_tier(manager.store, replicas, manager.retention.keep_last, options["node"],
                                  options["failure_domain"], options["wait_replicas"], options["preflight"],
                                  options["headroom"], remote)

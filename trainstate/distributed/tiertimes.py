@@ -4,16 +4,17 @@
 atomically like a pointer) holds, per kind, the last :data:`KEEP` samples
 ``[seconds, bytes, unix time]``:
 
-- ``save_local``: the blocking part of a save (the local tier's commit);
+- ``save_local``: the blocking part of a save, as the manager's clock measures it (the capture, any wait for
+  the previous save's replicas, the local tier's commit; for a background save, the copy);
 - ``replicate``: copying every node's files to their replicas (background);
 - ``upload``: putting a generation on the remote tier (background);
 - ``restore_local`` / ``restore_peer`` / ``restore_remote``: a whole restore,
   filed under the farthest source it read from (own disk only; some bytes
   from peers; some from the object store), with the bytes it loaded.
 
-``trainstate sla`` reads it to compute each tier's interval, the expected
+``trainstate cadence --run NODE_DIR`` reads it to compute each tier's interval, the expected
 lost work and the recovery time per failure class from these measurements
-(:mod:`trainstate.lifecycle.sla`). A missing or damaged record is no
+(:mod:`trainstate.lifecycle.sla`; the uploads are timed on rank 0's node only). A missing or damaged record is no
 measurement, never an error: the numbers are advice, not state.
 """
 

@@ -8,4 +8,5 @@
 - ``done``: the DONE record that says a run finished, and its verification.
 - ``compute``: device kinds and wall time summed over a lineage's updates, recorded in each manifest.
 - ``supervise`` / ``supervisor``: the bounded restart policy (pure) and the process loop applying it.
+- ``sla``: per failure class, the interval, lost work and recovery a tiered run's measurements support (pure).
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InvalidArgument
 
@@ -129,6 +130,7 @@ class Clock:
         self.updates: list[float] = []
         self.last_boundary: float | None = None
         self.saving_since_boundary = 0.0
+        self.on_saved: Any = None  # told each save's blocking seconds (node-local tiers record them on disk)
 
     def boundary(self) -> None:
         now = time.monotonic()
@@ -141,6 +143,8 @@ class Clock:
         self.saves.append(seconds)
         del self.saves[:-20]
         self.saving_since_boundary += seconds
+        if self.on_saved is not None:
+            self.on_saved(seconds)
 
     @staticmethod
     def mean(values: list[float]) -> float | None:
