@@ -588,6 +588,8 @@ def object_store(out: Path) -> dict:
     want_full, want_rank = full_state(reference), rank_state(reference)
     first = build("fsdp")
     with ts.CheckpointManager(url, storage_options=opts, collective_timeout_s=TIMEOUT_S, keep_last=1) as ckpt:
+        nothing = ckpt.restore(first)  # an empty run: planning the reads must not give the optimizer state
+        untouched = len(first["optimizer"].state)
         train(first, cut - 2)
         ckpt.save(first)
         train(first, 2)
@@ -605,6 +607,7 @@ def object_store(out: Path) -> dict:
     store = open_store(url, storage_options=opts)
     files = sorted(store.files(info.generation.name))
     return {"saved": info_saved.name, "generations": generations, "generation": info.generation.name,
+            "empty_restore": nothing, "optimizer_state_after_empty_restore": untouched,
             "identical": info.identical_continuation, "files": files, "leftovers": store.leftovers(),
             "full_differs": same(full_state(resumed), want_full),
             "rank_differs": same(rank_state(resumed), want_rank)}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from distlaunch import free_port
+from distlaunch import free_port, kill_launch
 
 WORKER = Path(__file__).resolve().parent / "multinode_smoke_worker.py"
 
@@ -96,44 +95,6 @@ class NodesLaunch:
         return results
 
 
-def _killpg(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_launch(procs: list[subprocess.Popen], marker: str) -> None:
-    """SIGKILL every agent's process group, then every process of the launch, found by ``marker`` in its environ.
-
-    torchrun starts each rank in a session of its own, so killing an agent's
-    group leaves its ranks running (reparented away from it); each rank
-    inherits ``marker``, and its group (the rank, its loader workers) goes too.
-    """
-    for proc in procs:
-        _killpg(proc.pid)
-    needle, ours = marker.encode(), os.getpgrp()
-    for _ in range(50):
-        found = False
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                    continue
-                pgid = os.getpgid(int(entry.name))
-            except OSError:  # gone, or not ours to read
-                continue
-            found = True
-            if pgid != ours:
-                _killpg(pgid)
-            else:
-                os.kill(int(entry.name), signal.SIGKILL)
-        if not found:
-            return
-        time.sleep(0.1)
-
-
 def launch_nodes(out: Path, node_dirs: list[Path], scenarios: list[str], *, worker: Path = WORKER, nproc: int = 2,
                  env: dict | None = None, node_env: list[dict] | None = None, timeout: float = 240,
                  start_delays: list[float] | None = None, monitor: float = 0.5,
@@ -179,14 +140,14 @@ def launch_nodes(out: Path, node_dirs: list[Path], scenarios: list[str], *, work
                                             env=environment, start_new_session=True)
         while any(proc.poll() is None for proc in procs.values()):
             if time.monotonic() > deadline:
-                _kill_launch(list(procs.values()), marker)
+                kill_launch(list(procs.values()), marker)
                 for proc in procs.values():
                     proc.wait()
                 raise AssertionError(f"{nodes} torchrun agents {scenarios} did not finish in {timeout:.0f} s:\n"
                                      + _tails(log_paths, procs))
             time.sleep(0.1)
     finally:
-        _kill_launch(list(procs.values()), marker)  # nothing outlives the launch: no agent, no rank it left behind
+        kill_launch(list(procs.values()), marker)  # nothing outlives the launch: no agent, no rank it left behind
         for proc in procs.values():
             proc.wait()
     return NodesLaunch(out, [procs[i].returncode for i in range(nodes)],

@@ -30,5 +30,6 @@ def test_two_ranks_checkpoint_to_an_object_store_and_resume_bitwise(moto_server,
         assert r["generations"] == ["gen-000000000006"], (r, launched.log[-3000:])  # keep_last=1 pruned the first
         assert r["identical"] and r["full_differs"] == [] and r["rank_differs"] == [], (rank, r)
         assert r["leftovers"] == [], r
+        assert r["empty_restore"] is None and r["optimizer_state_after_empty_restore"] == 0, r  # once 6: step 1
         assert {"rank-00000.json", "rank-00001.json", "shard-00000.safetensors", "shard-00001.safetensors",
                 "dcp-metadata.json", "manifest.json", "state.json"} <= set(r["files"]), r

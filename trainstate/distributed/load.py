@@ -21,7 +21,8 @@ reported as statistical.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -75,22 +76,41 @@ def restore(state: TrainState, ranks: Ranks, store: Any, key: Any, *, generation
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     remote = getattr(store, "remote", False)
     held = Fetched(store) if remote else HeldFiles(store)
-    try:
-        chosen, rejected = _choose(held, ranks, key, generation, _templates(state) if remote else None)
-        if chosen is None:
-            return None, rejected
-        return _load(state, chosen, rejected, held, ranks, allow, statistical_cuda), rejected
-    finally:
-        held.close()
+    with untouched_unless_loaded(state) as loading:
+        try:
+            chosen, rejected = _choose(held, ranks, key, generation, _templates(state) if remote else None)
+            if chosen is None:
+                return None, rejected
+            loading()
+            return _load(state, chosen, rejected, held, ranks, allow, statistical_cuda), rejected
+        finally:
+            held.close()
 
 
 def _templates(state: TrainState) -> dict | None:
     """The DCP state dict this rank will load into (to plan which pieces it reads); None if it cannot be built
-    (the checks before loading say why)."""
+    (the checks before loading say why). Building it gives a fresh optimizer its state (torch's
+    ``_init_optim_state`` steps it with zero gradients): call it inside :func:`untouched_unless_loaded`."""
     try:
         return sharded_state(state)[0]
     except (TrainStateError, RuntimeError, ValueError, KeyError, TypeError, AssertionError):
         return None
+
+
+@contextlib.contextmanager
+def untouched_unless_loaded(state: TrainState) -> Iterator[Callable[[], None]]:
+    """A restore that loads nothing (no generation, or none verified) leaves a fresh optimizer fresh: planning
+    the reads builds its state (step counts of 1, zero moments), which the next update would then continue from.
+    The block calls the yielded function once loading begins; until then an optimizer that had no state gets
+    none back."""
+    fresh = [c for c in state.components.values() if isinstance(c, torch.optim.Optimizer) and not c.state]
+    began = []
+    try:
+        yield lambda: began.append(True)
+    finally:
+        if not began:
+            for optimizer in fresh:
+                optimizer.state.clear()
 
 
 # 1. choose ---------------------------------------------------------------------------------------------------

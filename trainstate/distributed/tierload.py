@@ -59,6 +59,13 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     run = next((reports[topo.leader(n)]["run"] for n in range(topo.nodes) if reports[topo.leader(n)]["run"]), None)
     if tier.remote is not None and _needs_remote(held):  # else not one request to the object store
         held["remote"] = ranks.broadcast(_remote_holdings(tier.remote) if ranks.rank == 0 else None, "report")
+    with load.untouched_unless_loaded(state) as loading:
+        return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading)
+
+
+def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[Any, dict], run: str | None,
+             generation: str | None, allow: list[str], statistical_cuda: bool, loading: Any
+             ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     templates = load._templates(state)
     rejected: list[Rejection] = []
     names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
@@ -91,6 +98,7 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
             if failed:
                 rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))
                 continue
+            loading()
             info = load._load(state, (verified, parts), tuple(rejected), view, ranks, allow, statistical_cuda)
             sources = ranks.all_gather(view.sources(), "sources")
             _log_sources(name, sources, ranks.rank)
