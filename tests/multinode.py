@@ -33,37 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distlaunch import free_port, kill_launch
+from trainstate.drill.nodes import AGENT  # torchrun with its store servers on 127.0.0.1 only
 
 WORKER = Path(__file__).resolve().parent / "multinode_smoke_worker.py"
-
-# ``python -c AGENT <torchrun args>``: torchrun, with every TCPStore server listening on 127.0.0.1 only.
-AGENT = """
-import socket, sys
-import torch.distributed as dist
-
-
-class LoopbackTCPStore(dist.TCPStore):
-    def __init__(self, host_name, port, world_size=None, is_master=False, *args, **kwargs):
-        if is_master and kwargs.get("master_listen_fd") is None and len(args) < 4:
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError as exc:  # what torch's own bind raises, so its fallbacks still apply
-                sock.close()
-                raise RuntimeError(f"loopback TCPStore bind 127.0.0.1:{port}: {exc}") from exc
-            sock.listen(4096)
-            port = sock.getsockname()[1]
-            kwargs["master_listen_fd"] = sock.detach()  # the store owns the socket now
-        super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
-
-
-dist.TCPStore = LoopbackTCPStore  # before torchrun imports the rendezvous modules
-from torch.distributed.run import main
-
-sys.argv[0] = "torchrun"
-sys.exit(main())
-"""
 
 
 @dataclass

@@ -44,11 +44,11 @@ def _env(token: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, **{TOKEN_ENV: token})
 
 
-def _reap_strays(token: str) -> list[int]:
-    """Kill whatever still carries ``token`` (nothing, if the drill cleaned up); the pids found."""
+def _reap_strays(token: str, env: str = TOKEN_ENV) -> list[int]:
+    """Kill whatever still carries ``token`` in ``env`` (nothing, if the drill cleaned up); the pids found."""
     strays: list[int] = []
     deadline = time.monotonic() + 30
-    while (alive := marked_processes(token, TOKEN_ENV)) and time.monotonic() < deadline:
+    while (alive := marked_processes(token, env)) and time.monotonic() < deadline:
         strays += [pid for pid in alive if pid not in strays]
         for pid in alive:
             try:

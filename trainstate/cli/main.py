@@ -258,6 +258,14 @@ def _inspect_lines(report: dict[str, Any], manifest: Any, states: dict[str, Any]
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    if args.nodes is not None:
+        from .demo import NODES_KILLS, run_nodes_demo
+
+        if args.ranks is None:
+            raise InvalidArgument("--nodes needs --ranks, the total number of ranks split evenly over the nodes "
+                                  "(e.g. --ranks 2 --nodes 2: 2 nodes of 1 rank)")
+        return run_nodes_demo(args.ranks, args.nodes, directory=args.dir, seed=args.seed,
+                              kills=NODES_KILLS if args.kills is None else args.kills, json_output=args.json)
     if args.ranks is not None:
         from .demo import RANKS_KILLS, run_ranks_demo
 
@@ -296,9 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train, SIGKILL at random moments, resume, and compare bitwise")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed after)")
     p.add_argument("--seed", type=int, default=None, help="seed for the kill schedule (default: random)")
-    p.add_argument("--kills", type=int, default=None, help="how many SIGKILLs to deliver (default: 6; with --ranks, 2)")
+    p.add_argument("--kills", type=int, default=None,
+                   help="how many SIGKILLs to deliver (default: 6; with --ranks, 2; with --nodes, 3)")
     p.add_argument("--ranks", type=int, default=None, metavar="N",
                    help="run the drill under torchrun with N ranks (FSDP2 over gloo); each kill takes down the launch")
+    p.add_argument("--nodes", type=int, default=None, metavar="M",
+                   help="with --ranks N: split the N ranks evenly over M torchrun agents of this host (c10d "
+                   "rendezvous on 127.0.0.1), each a node with its own directory (node-local tiers, replicas=2); "
+                   "each kill takes down every agent, and half the kills (rounded up) also delete one node's "
+                   "directory, as a lost machine would (default kills: 3)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("discard", help="delete set-aside (rejected or abandoned) generations after review, or the "
                        "checkpoint folders the Hugging Face callback set aside")

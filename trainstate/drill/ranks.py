@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -157,10 +157,14 @@ class Launch(_Child):
 
 
 # the drill ------------------------------------------------------------------------------------------------
-def run_ranks_reference(cfg: RanksConfig, directory: Path, *, ranks: int = 2, timeout_s: float = 600.0) -> Timing:
-    """Train ``cfg`` in one uninterrupted launch into ``directory`` (which must be empty); its pace."""
+def run_ranks_reference(cfg: RanksConfig, directory: Path, *, ranks: int = 2, timeout_s: float = 600.0,
+                        start: Callable[[], Launch] | None = None) -> Timing:
+    """Train ``cfg`` in one uninterrupted launch into ``directory`` (which must be empty); its pace.
+
+    ``start`` makes the launch (default: one torchrun of ``ranks`` ranks; :mod:`.nodes` passes several agents).
+    """
     _require_empty(directory)
-    launch = Launch(torchrun_args(cfg, directory, ranks))
+    launch = start() if start is not None else Launch(torchrun_args(cfg, directory, ranks))
     deadline = launch.spawned + timeout_s
     started = done = None
     saves: list[float] = []
@@ -193,20 +197,68 @@ def _require_empty(directory: Path) -> None:
         raise DrillError(f"{directory} is not empty; the drill needs a fresh directory for each run")
 
 
+class Layout(Protocol):
+    """Where the launches of :func:`run_ranks_interrupted` run, and what is checked after each kill.
+
+    Call order, per launch: 1. :meth:`start` (the launch, before it is
+    driven); 2. :meth:`keep_log` once it was reaped; 3. after a kill only,
+    :meth:`after_kill`, which records where it landed, adds the problems it
+    finds and returns the generation the next launch must restore; 4.
+    :meth:`describe`, the line logged for it.
+    """
+
+    def start(self, index: int) -> Launch: ...
+
+    def keep_log(self, index: int, launch: Launch) -> None: ...
+
+    def after_kill(self, start: Start, launch: Launch, report: DrillReport) -> str | None: ...
+
+    def describe(self, start: Start, launch: Launch) -> str: ...
+
+
+class OneNode:
+    """The plain layout: one torchrun of ``ranks`` ranks on this host, ``directory`` its checkpoint directory."""
+
+    def __init__(self, cfg: RanksConfig, directory: Path, ranks: int, forget: str | None):
+        self.cfg, self.directory, self.ranks, self.forget = cfg, directory, ranks, forget
+        self.store = LocalStore(directory)
+        self.leftovers: set[str] = set()
+
+    def start(self, index: int) -> Launch:
+        self.leftovers = set(self.store.leftovers())
+        return Launch(torchrun_args(self.cfg, self.directory, self.ranks, self.forget))
+
+    def keep_log(self, index: int, launch: Launch) -> None:
+        _keep_log(self.directory, index, launch)
+
+    def after_kill(self, start: Start, launch: Launch, report: DrillReport) -> str | None:
+        start.landed, start.during_save = _landed(launch.lines, self.store, self.leftovers)
+        report.problems += check_visible(self.store)
+        report.verified_after_kills += len(self.store.generations())
+        return expected_restore(self.store)
+
+    def describe(self, start: Start, launch: Launch) -> str:
+        return describe_launch(start, launch)
+
+
 def run_ranks_interrupted(cfg: RanksConfig, directory: Path, *, kills: int, seed: int, timing: Timing,
                           ranks: int = 2, plans: list[KillPlan] | None = None, forget: str | None = None,
-                          log: Callable[[str], None] | None = None, launch_timeout_s: float = 600.0) -> DrillReport:
-    """Launch until a launch exits 0, SIGKILLing the first ``kills`` (``plans`` overrides the seeded schedule)."""
+                          log: Callable[[str], None] | None = None, launch_timeout_s: float = 600.0,
+                          layout: Callable[[], Layout] | None = None) -> DrillReport:
+    """Launch until a launch exits 0, SIGKILLing the first ``kills`` (``plans`` overrides the seeded schedule).
+
+    ``layout`` makes the :class:`Layout` once ``directory`` is found empty (default: :class:`OneNode`).
+    """
     _require_empty(directory)
     plans = plans if plans is not None else plan_rank_kills(random.Random(seed), kills)
-    report, store = DrillReport(seed), LocalStore(directory)
+    report = DrillReport(seed)
+    where = layout() if layout is not None else OneNode(cfg, directory, ranks, forget)
     began = time.monotonic()
     expected: str | None = None  # what the next launch must restore
     for index in range(1, len(plans) + 4):
         start = Start(index, plans[index - 1] if index <= len(plans) else None)
         report.starts.append(start)
-        leftovers = set(store.leftovers())
-        launch = Launch(torchrun_args(cfg, directory, ranks, forget))
+        launch = where.start(index)
         share = 1 / max(1, len(plans) - index + 1)  # each kill aims within its share of what is left
         try:
             start.killed_after_s = _drive(launch, start.plan, share, cfg, timing, launch_timeout_s)
@@ -216,20 +268,17 @@ def run_ranks_interrupted(cfg: RanksConfig, directory: Path, *, kills: int, seed
         if start.exit_code == 0:
             start.killed_after_s = None  # it finished just before the kill was due
         report.problems += _check_restore(start, launch, expected)
-        _keep_log(directory, index, launch)
+        where.keep_log(index, launch)
         if start.killed_after_s is None:
             if start.exit_code != 0:
                 report.problems.append(f"launch {index} failed with exit {start.exit_code}: {failure(launch)}")
             report.finished = start.exit_code == 0
             if log:
-                log(describe_launch(start, launch))
+                log(where.describe(start, launch))
             break
-        start.landed, start.during_save = _landed(launch.lines, store, leftovers)
-        report.problems += check_visible(store)
-        report.verified_after_kills += len(store.generations())
-        expected = expected_restore(store)
+        expected = where.after_kill(start, launch, report)
         if log:
-            log(describe_launch(start, launch))
+            log(where.describe(start, launch))
     else:
         report.problems.append(f"the run did not finish after {len(report.starts)} launches")
     report.wall_s = time.monotonic() - began
@@ -303,8 +352,9 @@ _AIMED = {"save": "aimed inside a save", "time": "at a random moment of training
           "startup": "at a random moment of start-up"}
 
 
-def describe_launch(start: Start, launch: Launch) -> str:
-    """One line a newcomer can read: where this launch resumed from, and how it ended."""
+def describe_launch(start: Start, launch: Launch, killed: str = "torchrun and every rank") -> str:
+    """One line a newcomer can read: where this launch resumed from, and how it ended (``killed``: what a kill
+    takes down)."""
     if start.restored:
         began = f"resumed from {start.restored}"
     elif any(line == "fresh" for line in launch.lines):
@@ -314,8 +364,8 @@ def describe_launch(start: Start, launch: Launch) -> str:
     if start.killed_after_s is None:
         return f"  launch {start.index}: {began}; ran to the end (exit {start.exit_code})"
     aimed = _AIMED.get(start.plan.mode, start.plan.mode) if start.plan else "at random"
-    return (f"  launch {start.index}: {began}; SIGKILLed {start.killed_after_s:.2f} s after it started, torchrun "
-            f"and every rank ({launch.groups_killed} process groups; {aimed}), which landed {start.landed}")
+    return (f"  launch {start.index}: {began}; SIGKILLed {start.killed_after_s:.2f} s after it started, {killed} "
+            f"({launch.groups_killed} process groups; {aimed}), which landed {start.landed}")
 
 
 # comparison -----------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 --monitor-interval 1 \\
         -m trainstate.drill.ranks_worker --dir D --total T --every E [--mode fsdp|ddp] [--seed S] \\
-        [--async-save] [--forget rng|loader]
+        [--async-save] [--forget rng|loader] [--replicas R]
 
 Every rank builds the same model (FSDP2 through ``fully_shard``, or DDP) with
 dropout, AdamW, a cosine schedule, a per-rank ``torch.Generator`` (``noise``)
@@ -28,6 +28,14 @@ optimizer moment as a full tensor, the scheduler's ``last_epoch``, the
 clock) and each rank ``D/rank-<r>.safetensors`` (the next draws of its
 generator, its global torch RNG state, its loader position and next sample
 ids). safetensors only: nothing here pickles.
+
+With ``--replicas R`` (node-local tiers, :mod:`trainstate.drill.nodes`: several
+torchrun agents, each a node) the manager opens this node's own directory,
+``$TRAINSTATE_DRILL_NODE_DIR`` (set per agent by the launcher), as
+``CheckpointManager(node_dir, keep_last=2, replicas=R)``; ``D`` then only
+receives the final files. ``restored`` adds ``local=<bytes> peer=<bytes>``:
+what the ranks read from their own nodes' disks and received from other
+nodes (the replicas of a lost node's files).
 
 ``--forget`` is the negative control: after restoring, put back the fresh
 state of the per-rank RNG streams (``rng``) or of the loader position
@@ -54,6 +62,7 @@ from safetensors.torch import save_file
 from ..asyncsave import SaveHandle
 from ..data.loader import ResumableLoader
 from ..data.samplerng import sample_generator
+from ..errors import InvalidArgument
 from ..format.manifest import generation_name
 from ..manager import CheckpointManager
 from ..state.train_state import TrainState
@@ -64,6 +73,7 @@ FORGET = ("rng", "loader")
 IN, OUT = 16, 8
 LAUNCH_ENV = "TRAINSTATE_DRILL_LAUNCH"  # set by the driver on each launch; marks every process of it
 AGENT_ENV = "TRAINSTATE_DRILL_AGENT"  # set by the driver's shim: the pid of the launch's torchrun agent
+NODE_DIR_ENV = "TRAINSTATE_DRILL_NODE_DIR"  # with --replicas: this node's own directory, set per agent
 
 
 # FSDP2, DTensor and DCP are imported inside the functions that run in the ranks: DTensor pulls in sympy
@@ -261,6 +271,17 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def open_manager(directory: Path, args: argparse.Namespace) -> CheckpointManager:
+    """``directory`` itself, or with ``--replicas`` this node's own directory as a node-local tier."""
+    if args.replicas is None:
+        return CheckpointManager(directory, keep_last=2, collective_timeout_s=args.timeout)
+    node_dir = os.environ.get(NODE_DIR_ENV)
+    if not node_dir:
+        raise InvalidArgument(f"--replicas needs ${NODE_DIR_ENV}, this node's own directory, set for each torchrun "
+                              "agent (trainstate.drill.nodes sets it)")
+    return CheckpointManager(node_dir, keep_last=2, replicas=args.replicas, collective_timeout_s=args.timeout)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = RanksConfig(args.total, args.every, args.mode, args.seed, args.width, args.batch, args.async_save)
     directory = Path(args.dir)
@@ -268,14 +289,16 @@ def run(args: argparse.Namespace) -> int:
     state = build(cfg)
     fresh = {"noise": state.rngs["noise"].get_state(), "torch_global": torch.get_rng_state(),
              "data": copy.deepcopy(state["data"].state_dict())}
-    with CheckpointManager(directory, keep_last=2, collective_timeout_s=args.timeout) as ckpt:
+    with open_manager(directory, args) as ckpt:
         say("restoring")
         info = ckpt.restore(state)
         if info is None:
             say("fresh")
         else:
+            sources = "".join(f" {k}={v}" for k, v in info.sources.items() if k in ("local", "peer")) \
+                if info.sources is not None else ""
             say(f"restored {info.generation.name} next_update={state.next_update} "
-                f"identical={int(info.identical_continuation)}")
+                f"identical={int(info.identical_continuation)}{sources}")
             if args.forget:
                 forget(state, args.forget, fresh)
         saver = Saver(ckpt, say, cfg.async_save)
@@ -312,6 +335,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-save", action="store_true", help="save(blocking=False); 'staged' then 'saved'")
     p.add_argument("--forget", choices=FORGET, default=None,
                    help="negative control: after restoring, reset this part to its fresh state")
+    p.add_argument("--replicas", type=int, default=None, metavar="R",
+                   help=f"node-local tiers: save into ${NODE_DIR_ENV} with replicas=R (one directory per node)")
     # generous: on a busy machine one rank's fsync can stall for many seconds while the others wait
     p.add_argument("--timeout", type=float, default=300.0, help="collective_timeout_s of the manager")
     return p.parse_args(argv)
