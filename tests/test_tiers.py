@@ -78,6 +78,9 @@ def test_two_nodes_resume_from_own_disk_from_a_replica_past_a_flipped_bit_and_af
     trained = launch_nodes(out, dirs, ["tier_train"], worker=WORKER, nproc=2)
     for result in trained.ok("tier_train", 4):
         assert result["tiers"]["local"]["generation"] == GEN and result["tiers"]["replicated"]["generation"] == GEN
+    for directory in dirs:  # keep_last=2 in both tiers: gen-2 pruned with its replicas
+        for store in (directory, directory / "replicas"):
+            assert sorted(p.name for p in store.glob("gen-*")) == ["gen-000000000004", GEN], store
     # every process killed, nothing lost: each rank reads its own node's disk, nothing crosses nodes
     first = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=2), "tier_resume", 4)
     assert first[0]["generation"] == GEN and first[0]["rejected"] == []
@@ -164,3 +167,31 @@ def test_ddp_with_background_saves_then_a_reshard_onto_one_node(tmp_path):
     result = fewer.ok("tier_reshard", 1)[0]
     assert result["generation"] == GEN and result["full_differs"] == [], result
     assert not result["identical"]  # per-rank RNG continues statistically at another world size
+
+
+def test_a_node_without_room_refuses_the_save_everywhere_before_anything_is_written(tmp_path, tmpfs):
+    dirs = [tmp_path / "node0", tmpfs.mount("48k", "node1")]  # node 1: too small for its share (a real ENOSPC check)
+    launched = launch_nodes(tmp_path / "out", dirs, ["tier_no_space"], worker=WORKER, nproc=1)
+    results = launched.ok("tier_no_space", 2)
+    assert {r["raised"] for r in results} <= {"InsufficientSpace", "CheckpointFailed"}, results
+    assert any(r["raised"] == "InsufficientSpace" for r in results), results
+    assert all("InsufficientSpace" in r["message"] or "not enough space" in r["message"] for r in results), results
+    for result in results:  # no generation and no staging left on either node
+        assert not [n for n in result["held"] if n.startswith(("gen-", ".trainstate-staging"))], result
+
+
+def test_a_replication_failure_is_raised_once_and_never_reported_as_protection(tmp_path, tmpfs):
+    (tmp_path / "node1").mkdir()
+    full = tmpfs.mount("16k", "node1/replicas")  # node 1's replicated tier cannot hold node 0's files
+    dirs = [tmp_path / "node0", full.parent]
+    results = launch_nodes(tmp_path / "out", dirs, ["tier_replica_fails"], worker=WORKER, nproc=1).ok(
+        "tier_replica_fails", 2)
+    for result in results:
+        assert result["saved"] == "gen-000000000002", result  # save returned: the local tier committed
+        first, second = result["raised"]
+        assert first is not None and second is None, result  # raised by wait(), exactly once
+        assert result["tiers"]["local"]["generation"] == "gen-000000000002", result
+        assert result["tiers"]["replicated"] is None, result  # never named while it is not replicated
+    # the full disk holds no replica (its staging aborted); the other node's committed replica is real, verified data
+    assert sum(not [n for n in r["replica_entries"] if n.startswith(("gen-", ".trainstate-staging"))]
+               for r in results) == 1, results

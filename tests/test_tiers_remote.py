@@ -52,6 +52,12 @@ def test_remote_tier_uploads_every_second_generation_and_serves_only_what_the_no
         first = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=2, env=env), "tier_resume", 4)
         assert first[0]["sources"]["remote"] == 0 and proxy.count() == 0, [t.path for t in proxy.traffic][:5]
 
+        # one node lost: its shards come from the replicas on the other node, still not one request remotely
+        _lose(dirs[1])
+        proxy.clear()
+        one = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=2, env=env), "tier_resume", 4)
+        assert one[0]["sources"]["peer"] > 0 and one[0]["sources"]["remote"] == 0 and proxy.count() == 0
+
         # every node's directory lost: from the remote alone, then every node refilled
         for directory in dirs:
             _lose(directory)

@@ -117,6 +117,41 @@ def tier_resume_again(out: Path) -> dict:
 
 
 @scenario
+def tier_no_space(out: Path) -> dict:
+    """A node whose disk cannot hold its share: the save is refused before anything is written, on every rank."""
+    state = dw.build(mode())
+    dw.train(state, 2)
+    with tiered() as ckpt:
+        try:
+            ckpt.save(state)
+            raised, message = None, ""
+        except ts.TrainStateError as exc:
+            raised, message = type(exc).__name__, str(exc)
+    return {"raised": raised, "message": message[:600], "held": sorted(p.name for p in node_dir().iterdir()
+                                                                      if not p.name.startswith(".trainstate.lock"))}
+
+
+@scenario
+def tier_replica_fails(out: Path) -> dict:
+    """Replication fails in the background (a full replicas disk): save returned, wait() raises it once, the
+    replicated tier never names the generation, the local tier does."""
+    state = dw.build(mode())
+    dw.train(state, 2)
+    with tiered() as ckpt:
+        saved = ckpt.save(state).name
+        raised = []
+        for _ in range(2):
+            try:
+                ckpt.wait()
+                raised.append(None)
+            except ts.TrainStateError as exc:
+                raised.append(f"{type(exc).__name__}: {exc}"[:600])
+        status = _status(ckpt)
+    return {"saved": saved, "raised": raised, "tiers": status,
+            "replica_entries": sorted(p.name for p in (node_dir() / "replicas").iterdir())}
+
+
+@scenario
 def tier_reshard(out: Path) -> dict:
     """Restore at another world size (fewer nodes or ranks): model and optimizer reshard exactly."""
     state = dw.build(mode(), seed=42)

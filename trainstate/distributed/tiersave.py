@@ -124,7 +124,12 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
         except (TrainStateError, OSError) as exc:
             error = exc
     shared = ranks.all_gather(staging.name if topo.is_leader and not error else None, "begin")
-    ranks.check("begin", error)
+    try:
+        ranks.check("begin", error)
+    except BaseException:
+        if topo.is_leader and error is None:
+            staging.abort()  # another node refused (no space, another run): nothing of this save stays
+        raise
     if name != pending.name:
         publisher.was_published_as(pending.prepared, name)
         pending.name = name
@@ -354,12 +359,17 @@ def _transfer(manifest: Manifest, ranks: Ranks, tier: Tier, targets: list[list[i
             for rank in topo.ranks_on(source):
                 for file in rank_files(manifest, rank) if rank < len(manifest.ranks) else ():
                     if topo.rank == rank:
-                        _send(tier.own, manifest, file, receiver, ranks)
+                        error = _send(tier.own, manifest, file, receiver, ranks) or error
                     elif topo.rank == receiver:
+                        pieces = _receive(manifest, file, rank, ranks)
                         try:
-                            _write_checked(staging, manifest, file, _receive(manifest, file, rank, ranks))
+                            if error is not None:
+                                raise error  # a file before failed: receive the rest, write nothing more
+                            _write_checked(staging, manifest, file, pieces)
                         except (TrainStateError, OSError) as exc:
                             error = error or exc
+                            for _ in pieces:  # the sender sends every piece: take them, or the order breaks
+                                pass
     return error
 
 
@@ -367,13 +377,30 @@ def _pieces(size: int) -> list[int]:
     return [min(PIECE, size - offset) for offset in range(0, size, PIECE)] or []
 
 
-def _send(store: Any, manifest: Manifest, file: str, receiver: int, ranks: Ranks) -> None:
-    with collective("replicate", ranks), store.open(manifest.generation, file) as stream:
+def _send(store: Any, manifest: Manifest, file: str, receiver: int, ranks: Ranks) -> BaseException | None:
+    """Every piece of ``file``, read from this node's holding. A read that fails still sends every piece (zeros:
+    the receiver's digest check refuses them), so the receiver never waits out the timeout; returns the error."""
+    error: BaseException | None = None
+    stream = None
+    try:
+        stream = store.open(manifest.generation, file)
+    except OSError as exc:
+        error = exc
+    try:
         for length in _pieces(manifest.file(file).size):
             buffer = bytearray(length)
-            stream.readinto(buffer)
-            dist.send(torch.frombuffer(buffer, dtype=torch.uint8), dst=_global_rank(ranks.group, receiver),
-                      group=ranks.group)
+            if error is None:
+                try:
+                    stream.readinto(buffer)
+                except OSError as exc:
+                    error = exc
+            with collective("replicate", ranks):
+                dist.send(torch.frombuffer(buffer, dtype=torch.uint8), dst=_global_rank(ranks.group, receiver),
+                          group=ranks.group)
+    finally:
+        if stream is not None:
+            stream.close()
+    return error
 
 
 def _receive(manifest: Manifest, file: str, sender: int, ranks: Ranks) -> Any:
