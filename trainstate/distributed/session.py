@@ -170,13 +170,18 @@ class Session:
         if tier.wait_replicas and not upload or tier.replicas < 2 and not upload:
             tiersave.prune(tier, key)
             return info
+        later = finish if tier.wait_replicas else lambda group: (replicate(group), finish(group))[1]
+        self._later(manager, f"{info.name} (replicas, upload)", later)
+        return info
+
+    def _later(self, manager: Any, what: str, job: Any) -> None:
+        """``job(ranks)`` on the manager's writer thread, on the background group: the next save, ``wait``,
+        ``restore`` and ``close`` wait for it, and raise its failure once."""
         from ..asyncsave import Ticket
 
         ticket = Ticket()
         manager._writer.reserve(ticket)
-        later = finish if tier.wait_replicas else lambda group: (replicate(group), finish(group))[1]
-        manager._writer.hand_off(ticket, f"{info.name} (replicas, upload)", lambda: later(self.bg))
-        return info
+        manager._writer.hand_off(ticket, what, lambda: job(self.bg))
 
     def record_blocking(self, seconds: float) -> None:
         """A save's whole blocking time (capture, the wait for the previous save's replicas, the local commit),
@@ -244,7 +249,8 @@ class Session:
 
             started = time.monotonic()
             info, rejected = tierload.restore(state, self.fg, self.tier, manager.key, generation=generation,
-                                              allow_changes=allow_changes, statistical_cuda=statistical_cuda)
+                                              allow_changes=allow_changes, statistical_cuda=statistical_cuda,
+                                              refill=lambda job: self._later(manager, "refill", job))
             if info is not None and info.sources is not None and self.tier.topology.is_leader:
                 tiertimes.record(self.tier.own, tiertimes.restore_kind(info.sources), time.monotonic() - started,
                                  sum(info.sources.values()))

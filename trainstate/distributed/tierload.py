@@ -48,9 +48,12 @@ log = logging.getLogger("trainstate")
 
 
 def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation: str | None = None,
-            allow_changes: Iterable[str] = (), statistical_cuda: bool = False
+            allow_changes: Iterable[str] = (), statistical_cuda: bool = False, refill: Any = None
             ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
-    """Every rank calls it; see the module docstring."""
+    """Every rank calls it; see the module docstring. ``refill``: called with the refill (a function of the ranks
+    it runs its collectives on) to run it later, off the restore (the manager's writer thread); by default it runs
+    here, before this returns."""
+    refill = refill if refill is not None else (lambda job: job(ranks))
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     topo = tier.topology
     report = {"holds": holdings(tier.stores(), key), "run": _recorded_run(tier, key)} if topo.is_leader else {}
@@ -60,11 +63,11 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     if tier.remote is not None and _needs_remote(held):  # else not one request to the object store
         held["remote"] = ranks.broadcast(_remote_holdings(tier.remote) if ranks.rank == 0 else None, "report")
     with load.untouched_unless_loaded(state) as loading:
-        return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading)
+        return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading, refill)
 
 
 def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[Any, dict], run: str | None,
-             generation: str | None, allow: list[str], statistical_cuda: bool, loading: Any
+             generation: str | None, allow: list[str], statistical_cuda: bool, loading: Any, refill: Any
              ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     templates = load._templates(state)
     rejected: list[Rejection] = []
@@ -102,7 +105,9 @@ def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[A
             info = load._load(state, (verified, parts), tuple(rejected), view, ranks, allow, statistical_cuda)
             sources = ranks.all_gather(view.sources(), "sources")
             _log_sources(name, sources, ranks.rank)
-            _refill(view, manifest, data, ranks, tier, key)
+            later = Holdings(tier, manifest, data, view.holders, names)  # what the refill reads, afresh
+            later.damaged = set(view.damaged)
+            refill(lambda group: _refill_closing(later, manifest, data, group, tier, key))
             return _with_sources(info, sources), tuple(rejected)
         finally:
             view.close()
@@ -139,7 +144,8 @@ def _remote_holdings(remote: Any) -> dict[str, dict]:
                     log.warning("remote %s/%s is unreadable (%s)", remote.store.location, name, exc)
                     continue
                 out[name] = {"digest": digest, "run": manifest.run, "update": manifest.next_update, "tier": "remote",
-                             "count": len(manifest.files), "files": {f.name: [f.size, "remote"] for f in manifest.files}}
+                             "count": len(manifest.files),
+                             "files": {f.name: [f.size, "remote"] for f in manifest.files}}
     except (TrainStateError, OSError) as exc:
         log.error("cannot list the remote %s (%s); restoring from the nodes only", remote.store.location, exc)
     return out
@@ -196,6 +202,13 @@ def _with_sources(info: RestoreInfo, sources: list[dict]) -> RestoreInfo:
 
 
 # 5. refill ---------------------------------------------------------------------------------------------------
+def _refill_closing(view: Holdings, manifest: Any, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: Any) -> None:
+    try:
+        _refill(view, manifest, manifest_bytes, ranks, tier, key)
+    finally:
+        view.close()
+
+
 def _refill(view: Holdings, manifest: Any, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: Any) -> None:
     """Every node holds its part of the restored generation again, in both tiers; then the pointers name it."""
     topo = tier.topology

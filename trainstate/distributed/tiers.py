@@ -120,7 +120,8 @@ def discover(ranks: Ranks, node: Any = None, failure_domain: Any = None) -> Topo
         label = domain if domain is not None else f"node:{ident}"
         if domains.setdefault(order[ident], label) != label:
             raise InvalidArgument(f"ranks of node {ident!r} name different failure domains ({domains[order[ident]]!r} "
-                                  f"and {label!r} on rank {rank}); pass the same failure_domain on every rank of a node")
+                                  f"and {label!r} on rank {rank}); pass the same failure_domain on every rank of a "
+                                  "node")
     return Topology(ranks.rank, tuple(order[i] for i, _ in every), tuple(domains[n] for n in range(len(order))))
 
 
