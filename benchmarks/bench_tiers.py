@@ -59,6 +59,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from multinode import launch_nodes  # noqa: E402
 from objectservers import FaultProxy, start_moto, start_seaweedfs  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_dist import parse_size, pick_hidden  # noqa: E402  (the same sizes and widths as the DCP benchmark)
+
 WORKER = Path(__file__).resolve().parent / "tier_bench_worker.py"
 T0 = time.perf_counter()
 
@@ -67,15 +70,6 @@ def say(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s load {os.getloadavg()[0]:.2f}] {msg}", flush=True)
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def pick_hidden(nbytes: int) -> int:
-    """bench_dist.py's width for a size: at least ~6 layers, at most 4096, a multiple of 256."""
-    return max(256, min(4096, int((nbytes / (12 * 6)) ** 0.5) // 256 * 256))
 
 
 def med(values) -> float | None:
