@@ -124,8 +124,9 @@ def check_nodes(directories: Sequence[str | Path], key: Any = None, content: boo
         for tier, claim in (("local", "servable"), ("replicated", "survives_one_node")):
             named = node.pointers.get(tier)
             if named is not None and not generations.get(named, {}).get(claim):
-                failures.append(f"{node.location}: {'latest' if tier == 'local' else 'replicas/latest'} names "
-                                f"{named}, which the nodes {'cannot serve whole' if tier == 'local' else 'lose with one node'}")
+                pointer, verdict = (("latest", "cannot serve whole") if tier == "local"
+                                    else ("replicas/latest", "lose with one node"))
+                failures.append(f"{node.location}: {pointer} names {named}, which the nodes {verdict}")
     return {"nodes": [{"location": n.location, "pointers": n.pointers, "holds": {g: sorted(h["files"])
                                                                                  for g, h in n.held.items()}}
                       for n in nodes], "generations": generations, "failures": failures,
