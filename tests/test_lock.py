@@ -62,9 +62,11 @@ if sys.argv[2] == "raw":  # control: a lock trainstate does not manage, shared w
     fcntl.flock(fd, fcntl.LOCK_EX)
 pid = os.fork()
 if pid == 0:  # a DataLoader worker, say: outlives its parent for a while
+    # says so only once running: the at-fork handlers ran before fork returned here (the parent printing the
+    # pid could race a child not yet scheduled, which would still share the lock's description)
+    print(os.getpid(), flush=True)
     time.sleep(60)
     os._exit(0)
-print(pid, flush=True)
 time.sleep(60)
 """
 

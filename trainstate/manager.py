@@ -19,9 +19,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import publish
+from . import publish, restore as restore_mod
 from .lifecycle import runs
-from . import restore as restore_mod
 from .asyncsave import SaveHandle, Ticket, Writer, report_at_exit
 from .errors import InvalidArgument, NoValidGeneration, ReadOnlyDirectory, Rejection
 from .format import signing
@@ -407,12 +406,13 @@ class CheckpointManager:
         except NoValidGeneration as exc:
             self.last_rejections = tuple(exc.rejections)
             raise
+        if info is not None and generation is None and (self._session is None or self._session.moves_latest):
+            self._publisher.catch_up(info.generation.name)  # latest moves, if the restore rolled forward past it
         if self._mirror is not None and info is not None:
             self._mirror.restored(info.generation.name)  # uploaded, if an earlier process stopped before it was
-        if info is not None:
+        if info is not None:  # rank 0's verdict on every rank: they stop or go on together
             _log_rate("restored", info.generation, time.monotonic() - started,
                       f"passing over {', '.join(r.generation for r in info.rejected)}" if info.rejected else "")
-        if info is not None:  # rank 0's verdict on every rank: they stop or go on together
             record = self._leader(lambda: done_mod.for_restore(self.store, self.key, info, state), "done")
             info = dataclasses.replace(info, done=record)
         self._compute.restart(info and info.generation.name, info.generation.wall_s if info else 0.0)

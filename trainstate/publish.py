@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, InvalidArgument, InvalidType,
-                     PendingGradients)
+                     PendingGradients, TrainStateError)
 from .format import tensorfile
 from .format.digest import new_hasher
 from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_name,
-                              generation_name, parse_run, run_to_bytes)
+                              generation_name, generation_order, parse_run, run_to_bytes)
 from .format.signing import SigningKey
 from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, rehearse
@@ -360,6 +360,25 @@ class Publisher:
         run = newest.run if newest is not None and newest.run else secrets.token_hex(16)
         self.store.write_pointer(RUN, run_to_bytes(run, self.key))
         return run
+
+    def catch_up(self, restored: str) -> None:
+        """A restore passed over ``latest`` for ``restored``, a newer complete generation (a crash between a commit
+        and the pointer move, or an unsigned pointer copied back): finish that publication, so that ``latest``
+        names what a restart resumes from even when no save follows (a run killed in its final save, then
+        restored at its last update, saves nothing more). Best effort: a directory that cannot be written
+        (read-only, or a pointer that will not move) keeps its pointer, and restore rolls forward again."""
+        pointer = read_pointed(self.store, POINTER, self.key)
+        if pointer is not None and generation_order(pointer.generation) >= generation_order(restored):
+            return
+        try:
+            self.store.lock()
+            point_at(self.store, verify_generation(self.store, restored, content=False, key=self.key), self.key)
+        except (OSError, TrainStateError) as exc:
+            log.warning("restored %s, but latest could not be moved to it (%s); restore rolls forward again", restored,
+                        exc)
+            return
+        self.published = restored
+        log.info("latest now names %s: the publication the restore rolled forward to is complete", restored)
 
     def committed_name(self, kind: str) -> str | None:
         """The generation the pointer of ``kind`` names (unverified), if the pointer parses."""

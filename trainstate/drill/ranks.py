@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -250,6 +250,7 @@ def run_ranks_interrupted(cfg: RanksConfig, directory: Path, *, kills: int, seed
     ``layout`` makes the :class:`Layout` once ``directory`` is found empty (default: :class:`OneNode`).
     """
     _require_empty(directory)
+    seeded = plans is None  # a seeded schedule resumes at least once (below); given plans are followed as given
     plans = plans if plans is not None else plan_rank_kills(random.Random(seed), kills)
     report = DrillReport(seed)
     where = layout() if layout is not None else OneNode(cfg, directory, ranks, forget)
@@ -257,11 +258,16 @@ def run_ranks_interrupted(cfg: RanksConfig, directory: Path, *, kills: int, seed
     expected: str | None = None  # what the next launch must restore
     for index in range(1, len(plans) + 4):
         start = Start(index, plans[index - 1] if index <= len(plans) else None)
+        # The last kill, with nothing published yet (earlier kills all landed before the first save completed,
+        # as on a loaded machine), aims after the first save so that the drill resumes at least once.
+        after_save = seeded and index == len(plans) and expected is None
+        if after_save and start.plan.mode == "startup":
+            start.plan = replace(start.plan, mode="time")
         report.starts.append(start)
         launch = where.start(index)
         share = 1 / max(1, len(plans) - index + 1)  # each kill aims within its share of what is left
         try:
-            start.killed_after_s = _drive(launch, start.plan, share, cfg, timing, launch_timeout_s)
+            start.killed_after_s = _drive(launch, start.plan, share, cfg, timing, launch_timeout_s, after_save)
         finally:
             launch.kill()
             start.exit_code = launch.reap()
@@ -298,8 +304,9 @@ def _keep_log(directory: Path, index: int, launch: Launch) -> None:
 
 
 def _drive(launch: Launch, plan: KillPlan | None, share: float, cfg: RanksConfig, timing: Timing,
-           limit_s: float) -> float | None:
-    """Follow the launch and SIGKILL it when ``plan`` says; seconds after its start, or None if it exited."""
+           limit_s: float, after_save: bool = False) -> float | None:
+    """Follow the launch and SIGKILL it when ``plan`` says; seconds after its start, or None if it exited.
+    ``after_save``: the aim counts only lines after the launch's first ``saved`` line."""
     deadline = launch.spawned + limit_s
     kill_at = launch.spawned + plan.fraction * timing.startup_s if plan and plan.mode == "startup" else None
     target: tuple[str, int, float] | None = None  # (line, how many, unit of the delay)
@@ -317,6 +324,10 @@ def _drive(launch: Launch, plan: KillPlan | None, share: float, cfg: RanksConfig
         word, _, rest = line.partition(" ")
         if plan is None or kill_at is not None:
             continue
+        if after_save:
+            if word != "saved":
+                continue
+            after_save, word = False, "training"  # aims within what is left after the first save ("saved N")
         if word == "training":
             begin = int(rest)
             saves, updates = cfg.total // cfg.every - begin // cfg.every, cfg.total - begin
