@@ -6,9 +6,10 @@ ranks, ``replicas=2``, ``keep_last=2``, a blocking save after every update,
 the replicas and pruning on the writer thread). Once one or two saves of this
 launch have returned, the trial waits for the next entry into the phase it
 aims at (``save``, ``replicate``, ``prune``: each aimed at once in every three
-kills, in a random order) and a random part of that phase's usual length,
-then SIGSTOPs and SIGKILLs every agent and rank at once (found by an
-environment token in ``/proc``, whatever session torchrun put them in): one
+kills, in a random order) and a random part of that phase's usual length
+after that entry, then SIGSTOPs and SIGKILLs every agent and rank at once
+(found by an environment token in ``/proc``, whatever session torchrun put
+them in; looked up before the moment, so that the scan does not delay it): one
 moment for the whole launch, as if every machine lost power. It checks the node
 directories with ``tests/tiercheck.py``: every ``latest`` served whole by the
 nodes, every ``replicas/latest`` served whole after losing any one node, no
@@ -33,14 +34,34 @@ deleted replica holding and a ``latest`` moved onto a generation no longer
 held. A restore over empty tiers (and over an empty object-store run) returns
 None and leaves a fresh optimizer without state (it used to give it step 1).
 
+Kills inside uploads (the remote tier behind the nodes, a moto S3 server on
+loopback; skipped without ``obstore``): on fresh node directories and a fresh
+remote URL, ``tier_kill_train`` with ``mirror=URL, mirror_every=2`` (2 nodes x
+1 rank by default) is SIGKILLed whole, every kill aimed at an upload on the
+writer thread: at its files being sent (``send``), at rank 0's commit, remote
+``latest`` move and remote pruning (``commit-remote``), or anywhere in it
+(``upload``), a random part of that phase's shortest length so far in. After each kill
+the node directories pass the checker, and so does the remote
+(``tiercheck.check_remote``: its ``latest`` names a generation it serves
+whole, no generation it lists is partial; leftovers of the interrupted upload
+are allowed), and its ``latest`` never moved backwards. A finish launch ends
+bitwise; then every node directory is deleted and a last launch restores from
+the remote alone (its newest generation; not one byte from a disk), ends
+bitwise too and leaves the nodes refilled. Negative controls on that remote:
+a deleted file of the generation its ``latest`` names, a torn file of another
+listed generation, and a ``latest`` left naming a generation whose commit
+record is gone, are caught (each repaired after, the remote clean again).
+
 Where each kill landed is read from the ranks' phase logs (save, replicate,
-prune, ...) and the leftovers found on disk; ``-s`` prints the table.
+prune, upload, ...) and the leftovers found on disk; ``-s`` prints the table.
 
 Knobs: ``TRAINSTATE_TIER_KILLS`` (kills per layout, default 3),
 ``TRAINSTATE_TIER_KILL_LAYOUTS`` (default ``2x2``; e.g. ``2x2,4x1``),
 ``TRAINSTATE_KILL_SEED`` (replay a schedule), ``TRAINSTATE_TIER_KILL_SLEEP``
 (the worker's pause inside phases, seconds, default 0.02),
-``TRAINSTATE_TIER_KILL_PHASE`` (the node trial's step of the save).
+``TRAINSTATE_TIER_KILL_PHASE`` (the node trial's step of the save),
+``TRAINSTATE_TIER_UPLOAD_KILLS`` (kills aimed at uploads, default 3),
+``TRAINSTATE_TIER_UPLOAD_LAYOUT`` (default ``2x1``).
 """
 
 from __future__ import annotations
@@ -59,6 +80,7 @@ import pytest
 
 import tiercheck
 from multinode import NodesLaunch, launch_nodes
+from objectservers import moto_server  # noqa: F401  (fixture)
 from trainstate.format.manifest import POINTER, Pointer, parse_generation_name
 
 pytestmark = pytest.mark.slow
@@ -73,7 +95,11 @@ TOTAL = max(60, 6 * KILLS + 20)  # updates of the whole run: the trials save a f
 TRAIN = "tier_kill_train"
 MID_SAVE = ("write", "commit", "verify", "point")  # staging begun / written, not committed / committed / pointing
 AIMS = ("save", "replicate", "prune")  # the phases the trials aim at
-PRIORITY = ("save", "replicate", "prune", "refill", "restore")  # a kill landing in several: the first names it
+PRIORITY = ("save", "replicate", "upload", "prune", "refill", "restore")  # a kill landing in several: the first
+UPLOAD_KILLS = int(os.environ.get("TRAINSTATE_TIER_UPLOAD_KILLS", "3"))
+UPLOAD_LAYOUT = os.environ.get("TRAINSTATE_TIER_UPLOAD_LAYOUT", "2x1")
+UPLOAD_AIMS = ("send", "commit-remote", "upload")  # inside an upload: its files sent, rank 0's commit, anywhere
+UPLOAD_TOTAL = max(24, 4 * UPLOAD_KILLS + 12)  # a trial saves 1-4; the two finishes train the rest, twice each
 
 
 # killing by token ----------------------------------------------------------------------------------------
@@ -88,6 +114,18 @@ def marked(value: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def freeze(pids: list[int], value: str) -> None:
+    """SIGSTOP those of ``pids`` that still carry ``TOKEN=value`` (found beforehand: the moment of a kill does not
+    wait for a scan of /proc); :func:`kill_marked` then finds and kills every process of the launch."""
+    needle = f"{TOKEN}={value}".encode()
+    for pid in pids:
+        try:
+            if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                os.kill(pid, signal.SIGSTOP)
+        except OSError:  # gone (ProcessLookupError is an OSError too)
+            continue
 
 
 def kill_marked(*values: str) -> int:
@@ -215,17 +253,26 @@ def _durations(out: Path, phase: str) -> list[float]:
     return took
 
 
-def kill_trial(root: Path, dirs: list[Path], nproc: int, rng: random.Random, aim: str) -> dict:
+def kill_trial(root: Path, dirs: list[Path], nproc: int, rng: random.Random, aim: str, *,
+               remote: dict | None = None, total: int = TOTAL, shortest: bool = False, later: bool = False,
+               known: dict[str, list[float]] | None = None) -> dict:
     """Start the training launch; once one or two of its saves returned, wait for the next entry into ``aim``
-    (``save``, ``replicate`` or ``prune``: one that removes something) on any rank, then a random part of that
-    phase's usual length, and SIGKILL every process of the launch; then check the node directories."""
+    (``save``, ``replicate`` or ``prune``: one that removes something; with ``remote`` (``{"url",
+    "storage_options"}``: the remote tier behind the nodes) also ``upload`` or one of its steps) on any rank,
+    then a random part of that phase's usual length (its mean so far; ``shortest``: its shortest, so that the
+    kill lands inside it nearly always), and SIGKILL every process of the launch; then check the node
+    directories, and the remote. ``later``: not an entry while saving the launch's first generation (so that
+    the first generation's upload, due at once, has completed: the remote holds something). ``known``: the
+    phases' lengths in earlier trials (per phase; extended here), for a phase this launch has not completed yet."""
     out = root / "out"
     for stale in (out / TRAIN / "progress.json", *(out / TRAIN).glob("phases-rank*.log")):
         stale.unlink(missing_ok=True)
     token = uuid.uuid4().hex
     began = time.monotonic()
-    run = Background(out, dirs, [TRAIN], worker=WORKER, nproc=nproc, timeout=300,
-                     env={TOKEN: token, "TS_KILL_TOTAL": str(TOTAL), "TS_KILL_SLEEP": SLEEP})
+    env = {TOKEN: token, "TS_KILL_TOTAL": str(total), "TS_KILL_SLEEP": SLEEP}
+    if remote is not None:
+        env["TRAINSTATE_TEST_S3"] = json.dumps(remote)
+    run = Background(out, dirs, [TRAIN], worker=WORKER, nproc=nproc, timeout=300, env=env)
     started = target = None
     offsets: dict[Path, int] = {}
     while run.alive():  # one or two saves of this launch returned
@@ -238,31 +285,48 @@ def kill_trial(root: Path, dirs: list[Path], nproc: int, rng: random.Random, aim
                 break
         time.sleep(0.005)
     _new_lines(out / TRAIN, offsets)
+    pids = marked(token)  # found now, not at the moment of the kill: /proc is slow to scan on a busy machine
     aimed = None
     while run.alive() and aimed is None:  # the next entry into the phase aimed at
         for fields in _new_lines(out / TRAIN, offsets):
-            if len(fields) == 7 and fields[4:6] == ["enter", aim] and (aim != "prune" or int(fields[6]) >= 3):
+            if len(fields) == 7 and fields[4:6] == ["enter", aim] and (aim != "prune" or int(fields[6]) >= 3) \
+                    and (not later or int(fields[6]) > started + 1):
                 aimed = fields
                 break
         else:
             time.sleep(0.002)
-    lengths = _durations(out / TRAIN, aim)
-    delay = rng.uniform(0, sum(lengths) / len(lengths) if lengths else 0.2)
-    time.sleep(delay)
+    lengths = _durations(out / TRAIN, aim) or (known or {}).get(aim, [])
+    usual = (min(lengths) if shortest else sum(lengths) / len(lengths)) if lengths else 0.2
+    delay = rng.uniform(0, usual)
+    moment = float(aimed[0]) + delay if aimed else time.time()  # after the entry itself, not after seeing it
+    time.sleep(max(0.0, moment - time.time()))
+    late = time.time() - moment
+    freeze(pids, token)
     killed = kill_marked(token)
     launch = run.join(60)
     assert started is not None and aimed is not None and killed, \
         f"the launch ended before a save and a {aim} of it:\n{launch.tail()}"
+    if known is not None:
+        for phase in {*AIMS, *UPLOAD_AIMS}:
+            known.setdefault(phase, []).extend(_durations(out / TRAIN, phase))
     phases = open_phases(out / TRAIN)
     progress = read_progress(out)
     nodes = tiercheck.survey(dirs, [])
-    return {"started": started, "resumed": progress["resumed"], "reached": progress["update"], "aim": aim,
-            "delay_s": round(delay, 3), "killed": killed, "exits": launch.returncodes,
-            "landed": landed(phases), "phases": phases, "leftovers": leftovers(nodes),
-            "pointers": {str(n.path.name): {t: (p.generation if p else None) for t, p in n.pointers.items()}
-                         for n in nodes},
-            "servable": tiercheck.servable(nodes), "violations": tiercheck.check(dirs),
-            "seconds": round(time.monotonic() - began, 1)}
+    record = {"started": started, "resumed": progress["resumed"], "reached": progress["update"], "aim": aim,
+              "delay_s": round(delay, 3), "late_s": round(late, 3), "killed": killed, "exits": launch.returncodes,
+              "landed": landed(phases), "phases": phases, "leftovers": leftovers(nodes),
+              "pointers": {str(n.path.name): {t: (p.generation if p else None) for t, p in n.pointers.items()}
+                           for n in nodes},
+              "servable": tiercheck.servable(nodes), "violations": tiercheck.check(dirs),
+              "seconds": round(time.monotonic() - began, 1)}
+    if remote is not None:
+        record["remote_violations"] = found = []
+        seen = tiercheck.survey_remote(remote["url"], remote["storage_options"], found)
+        record["remote"] = {"latest": seen.pointer and seen.pointer.generation,
+                            "latest_update": seen.pointer and seen.pointer.next_update,
+                            "generations": seen.generations, "whole": seen.whole, "leftovers": seen.leftovers,
+                            "aside": seen.aside}
+    return record
 
 
 def node_trial(root: Path, dirs: list[Path], nproc: int, rng: random.Random, resumes_at: int) -> dict:
@@ -345,8 +409,8 @@ def _report(record: dict) -> None:
           f"(seed {record['seed']}), {record['seconds']} s")
     for i, t in enumerate(record["trials"]):
         print(f"  kill {i}: launch from update {t['started']} (resumed {t['resumed']}), reached {t['reached']}, "
-              f"{t['aim']} +{t['delay_s']} s: landed in {t['landed']}; leftovers {t['leftovers']}; servable "
-              f"{t['servable'][:2]}; {t['seconds']} s")
+              f"{t['aim']} +{t['delay_s']} s (late {t['late_s']} s): landed in {t['landed']}; leftovers "
+              f"{t['leftovers']}; servable {t['servable'][:2]}; {t['seconds']} s")
     n = record["node"]
     print(f"  node {n['lost']} killed entering {n['phase']} of update {n['update']} (resumed {n['resumed']}); the "
           f"others exited {n['survivors_s']} s later; leftovers {n['leftovers']}; servable without it "
@@ -465,3 +529,159 @@ def test_restore_over_empty_tiers_leaves_the_objects_untouched(kills):
         assert result["optimizer_state_before"] == 0 == result["optimizer_state_after_shared"], result  # control
         assert result["optimizer_state_after"] == 0, f"rank {rank}: restore() over empty tiers changed the " \
             f"optimizer: {result['optimizer_state_after']} entries, step counters {result['steps_after']}"
+
+
+# kills inside uploads: the remote tier behind the nodes ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def upload_kills(request, tmp_path_factory) -> dict:
+    """On fresh node directories and a fresh remote URL (moto): UPLOAD_KILLS trials that kill every process,
+    each aimed inside an upload; the finish; then every node directory deleted and a launch from the remote
+    alone."""
+    pytest.importorskip("obstore")
+    server = request.getfixturevalue("moto_server")
+    nodes, nproc = layout(UPLOAD_LAYOUT)
+    root = tmp_path_factory.mktemp(f"tierupload-{UPLOAD_LAYOUT}")
+    dirs = [root / f"node{i}" for i in range(nodes)]
+    remote = {"url": server.url(server.make_bucket(), f"run-{uuid.uuid4().hex[:8]}"),
+              "storage_options": server.storage_options()}
+    rng = random.Random(f"{SEED}-upload")
+    began = time.monotonic()
+    trials, aims, known = [], [], {}
+    for i in range(UPLOAD_KILLS):  # the first kill spares the first upload: the remote is never left empty
+        aims = aims or rng.sample(UPLOAD_AIMS, len(UPLOAD_AIMS))
+        trials.append(kill_trial(root, dirs, nproc, rng, aims.pop(), remote=remote, total=UPLOAD_TOTAL,
+                                 shortest=True, later=i == 0, known=known))
+    env = {"TS_KILL_TOTAL": str(UPLOAD_TOTAL), "TRAINSTATE_TEST_S3": json.dumps(remote)}
+    at = time.monotonic()
+    finish = launch_nodes(root / "out", dirs, ["tier_kill_finish"], worker=WORKER, nproc=nproc, timeout=300,
+                          env=env).ok("tier_kill_finish")
+    finish_s = time.monotonic() - at
+    after_finish = tiercheck.check(dirs) + tiercheck.check_remote(remote["url"], remote["storage_options"])
+    before_loss = tiercheck.survey_remote(remote["url"], remote["storage_options"])
+    for d in dirs:  # every node lost: only the remote is left
+        shutil.rmtree(d)
+        d.mkdir()
+    at = time.monotonic()
+    alone = launch_nodes(root / "alone", dirs, ["tier_kill_finish"], worker=WORKER, nproc=nproc, timeout=300,
+                         env=env).ok("tier_kill_finish")
+    alone_s = time.monotonic() - at
+    record = {"layout": UPLOAD_LAYOUT, "seed": SEED, "remote": remote, "trials": trials, "finish": finish,
+              "finish_s": round(finish_s, 1), "after_finish": after_finish,
+              "before_loss": {"latest": before_loss.pointer and before_loss.pointer.generation,
+                              "generations": before_loss.generations, "whole": before_loss.whole,
+                              "leftovers": before_loss.leftovers},
+              "alone": alone, "alone_s": round(alone_s, 1),
+              "after_alone": tiercheck.check(dirs) + tiercheck.check_remote(remote["url"], remote["storage_options"]),
+              "refilled": tiercheck.servable(tiercheck.survey(dirs)),
+              "seconds": round(time.monotonic() - began, 1)}
+    _report_upload(record)
+    return record
+
+
+def _report_upload(record: dict) -> None:
+    print(f"\n{record['layout']} with a remote tier (mirror_every=2): {len(record['trials'])} kills aimed inside "
+          f"uploads (seed {record['seed']}), {record['seconds']} s")
+    for i, t in enumerate(record["trials"]):
+        r = t["remote"]
+        print(f"  kill {i}: launch from update {t['started']} (resumed {t['resumed']}), reached {t['reached']}, "
+              f"{t['aim']} +{t['delay_s']} s (late {t['late_s']} s): landed in {t['landed']}; leftovers "
+              f"{t['leftovers']}; servable {t['servable'][:2]}; remote latest {r['latest']}, generations "
+              f"{r['generations']}, leftovers {len(r['leftovers'])}; {t['seconds']} s")
+    done, alone = record["finish"][0], record["alone"][0]
+    print(f"  finish: restored {done.get('generation')} (sources {done.get('sources')}); {record['finish_s']} s")
+    print(f"  every node directory deleted; the remote held {record['before_loss']['generations']} (latest "
+          f"{record['before_loss']['latest']}): restored {alone.get('generation')} (sources {alone.get('sources')}); "
+          f"{record['alone_s']} s")
+
+
+def _bitwise(results: list[dict], context: str) -> None:
+    for rank, result in enumerate(results):
+        assert "raised" not in result, f"rank {rank}: {result}\n{context}"
+        assert result["full_differs"] == [] and result["rank_differs"] == [], f"rank {rank} diverged\n{context}"
+        assert any(k.startswith("model.") for k in result["compared"]) and "noise" in result["compared"], context
+
+
+def test_kills_inside_uploads_leave_the_nodes_and_the_remote_servable_and_resume_bitwise(upload_kills):
+    context = _context(upload_kills)
+    trials = upload_kills["trials"]
+    assert len(trials) == UPLOAD_KILLS, context
+    for i, trial in enumerate(trials):
+        assert trial["violations"] == [], f"kill {i}: {trial['violations']}\n{context}"
+        assert trial["remote_violations"] == [], f"kill {i}: {trial['remote_violations']}\n{context}"
+        assert trial["servable"], f"kill {i}: nothing servable after the kill\n{context}"
+        assert all(code != 0 for code in trial["exits"]), f"kill {i}: an agent finished before the kill\n{context}"
+        assert trial["remote"]["generations"], f"kill {i}: the remote lost everything\n{context}"
+    # the remote latest never moves backwards, and the kills did land inside uploads (most of them)
+    updates = [t["remote"]["latest_update"] for t in trials if t["remote"]["latest"] is not None]
+    assert updates == sorted(updates), context
+    assert any(t["landed"].startswith("upload") for t in trials), f"no kill landed inside an upload\n{context}"
+    for before, after in zip(trials, trials[1:]):
+        assert after["resumed"] == before["servable"][0], context
+    finish = upload_kills["finish"]
+    assert finish[0]["generation"] == trials[-1]["servable"][0], context
+    assert finish[0]["sources"]["remote"] == 0, f"the nodes served it: not one byte from the remote\n{context}"
+    _bitwise(finish, context)
+    assert upload_kills["after_finish"] == [], context
+
+
+def test_every_node_directory_lost_the_remote_alone_resumes_bitwise(upload_kills):
+    """After all those kills the remote copy is usable: with every node's directory deleted, a launch restores
+    the remote's newest generation (all its bytes from the remote) and ends bitwise; the nodes are refilled."""
+    context = _context(upload_kills)
+    held = upload_kills["before_loss"]
+    assert held["whole"] and held["whole"] == held["generations"] and held["latest"] in held["whole"], context
+    alone = upload_kills["alone"]
+    assert alone[0]["generation"] == held["generations"][0], context
+    sources = alone[0]["sources"]  # every rank's bytes, summed; "peer": a file several ranks need, downloaded by
+    assert sources["local"] == 0 and sources["remote"] > 0, f"{sources}\n{context}"  # one, handed to the others
+    _bitwise(alone, context)
+    assert upload_kills["after_alone"] == [], context
+    assert upload_kills["refilled"][:1] == [alone[0]["generation"]], f"the nodes were not refilled\n{context}"
+
+
+def test_negative_controls_the_remote_check_catches_a_missing_file_a_torn_file_and_a_pointer_it_cannot_serve(
+        upload_kills):
+    """Each damage done to the remote the fixture left (then repaired, and the remote checked clean again)."""
+    url, options = upload_kills["remote"]["url"], upload_kills["remote"]["storage_options"]
+    assert tiercheck.check_remote(url, options) == [], "the untouched remote is fine"
+    store = tiercheck.open_remote(url, options)
+    client = store.client
+    found = tiercheck.survey_remote(url, options)
+    name = found.pointer.generation
+
+    def content(key: str) -> bytes:
+        with client.reader(key) as stream:
+            return stream.read()
+
+    # one file of the generation the remote latest names, deleted: the latest does not serve it whole
+    shard = sorted(f for f in store.files(name) if f.startswith("shard-"))[0]
+    key = f"attempts/{store._attempt(name)}/{shard}"
+    kept = content(key)
+    client.delete(key)
+    problems = tiercheck.check_remote(url, options)
+    assert any(f"{POINTER} names {name}" in v and "does not serve whole" in v for v in problems), problems
+    assert any(f"{name} is listed (committed) but partial" in v for v in problems), problems
+    client.put(key, kept)
+    assert tiercheck.check_remote(url, options) == []
+
+    # a listed generation other than the latest's, one file torn (truncated): partial, though nothing points at it
+    others = [g for g in found.generations if g != name]
+    if others:
+        files = tiercheck.open_remote(url, options)  # a fresh store: nothing cached
+        rank = sorted(f for f in files.files(others[0]) if f.startswith("rank-"))[0]
+        key = f"attempts/{files._attempt(others[0])}/{rank}"
+        kept = content(key)
+        client.put(key, kept[:-5])
+        problems = tiercheck.check_remote(url, options)
+        assert any(f"{others[0]} is listed (committed) but partial" in v for v in problems), problems
+        client.put(key, kept)
+        assert tiercheck.check_remote(url, options) == []
+
+    # the generation the latest names, removed (its commit record gone): the latest names what the remote lacks
+    record = f"commits/{name}"
+    kept = content(record)
+    client.delete(record)
+    problems = tiercheck.check_remote(url, options)
+    assert any(f"{POINTER} names {name}, which the remote does not serve" in v for v in problems), problems
+    client.put(record, kept, create=True)
+    assert tiercheck.check_remote(url, options) == []

@@ -10,6 +10,10 @@ Each agent is a node with its own directory (``$TRAINSTATE_NODE_DIR``),
   thread, pruning after them. Rank 0 records the update each save reached in
   ``OUT/<scenario>/progress.json`` (written whole: temp file, rename). The test
   SIGKILLs the launch at some moment and starts it again.
+  With ``TRAINSTATE_TEST_S3`` (``{"url", "storage_options"}``) the manager
+  has the remote tier behind the nodes: ``mirror=URL``, ``mirror_every=2``
+  (``TS_MIRROR_EVERY``), so the first save of each launch and every second
+  one after it are uploaded on the writer thread, after the replicas.
 - ``tier_kill_finish``: restore into fresh objects built from a wrong seed,
   train to ``TS_KILL_TOTAL`` without saving, and compare bitwise (every tensor
   of model and optimizer, the schedule, the clock, each rank's generator,
@@ -21,7 +25,10 @@ Where a kill lands: every rank appends one line per phase boundary to
 enter|exit|error <phase> <update>``), written with one ``O_APPEND`` write so
 it is whole at any kill. The phases: ``restore`` (``refill``), ``save`` (the
 local tier's publish: ``write``, ``commit``, ``verify``, ``point``),
-``replicate`` (``transfer``, ``point-replicas``), ``prune``.
+``replicate`` (``transfer``, ``point-replicas``), ``upload`` (``send``: each
+rank's files sent to the remote staging attempt; ``commit-remote``: rank 0's
+manifest, commit record, check, ``point-remote`` and ``prune-remote``, one per
+removed remote generation), ``prune``.
 
 Knobs (environment):
 
@@ -29,7 +36,9 @@ Knobs (environment):
   kill leaves the most to clean up: before every staging directory's commit
   (a staged holding, in either tier), before every pointer moves, after
   every replicated file is written, before every removed generation's files
-  are deleted (a trash entry). Widens the windows a random kill hits.
+  are deleted (a trash entry); on the remote: after every file sent, before
+  the commit record, before the remote ``latest`` moves and before each remote
+  generation is removed. Widens the windows a random kill hits.
 - ``TS_KILL_PAUSE`` (``<node>:<update>:<phase>``): the ranks of agent
   ``<node>`` stop on entering ``<phase>`` while saving update ``<update>``:
   they touch ``OUT/<scenario>/paused-rank<r>`` and sleep, so that the test
@@ -58,7 +67,7 @@ import trainstate as ts  # noqa: E402
 
 SCENARIOS = {}
 PHASES = ("restore", "refill", "save", "write", "commit", "verify", "point", "replicate", "transfer",
-          "point-replicas", "prune")
+          "point-replicas", "upload", "send", "commit-remote", "point-remote", "prune-remote", "prune")
 
 
 def scenario(fn):
@@ -74,8 +83,18 @@ def node_dir() -> Path:
     return Path(os.environ["TRAINSTATE_NODE_DIR"])
 
 
+def remote() -> dict | None:
+    """``{"url", "storage_options"}`` of the remote tier behind the nodes (``TRAINSTATE_TEST_S3``), or None."""
+    found = os.environ.get("TRAINSTATE_TEST_S3")
+    return json.loads(found) if found else None
+
+
 def tiered() -> ts.CheckpointManager:
-    return ts.CheckpointManager(node_dir(), keep_last=2, replicas=2, collective_timeout_s=dw.TIMEOUT_S)
+    kwargs = {}
+    if remote() is not None:
+        kwargs.update(mirror=remote()["url"], mirror_options=remote()["storage_options"],
+                      mirror_every=int(os.environ.get("TS_MIRROR_EVERY", "2")))
+    return ts.CheckpointManager(node_dir(), keep_last=2, replicas=2, collective_timeout_s=dw.TIMEOUT_S, **kwargs)
 
 
 # where a kill lands: phase lines, sleeps, a pause --------------------------------------------------------
@@ -139,8 +158,8 @@ class Phases:
 
 
 def instrument(out: Path) -> Phases:
-    from trainstate.distributed import tierload, tiersave
-    from trainstate.storage import local, posix
+    from trainstate.distributed import tierload, tierremote, tiersave
+    from trainstate.storage import local, objects, posix
 
     phases = Phases(out)
     phases.wrap(tiersave, "publish", "save")
@@ -160,6 +179,13 @@ def instrument(out: Path) -> Phases:
     phases.wrap(tiersave, "_transfer", "transfer")
     phases.wrap(tiersave, "_write_checked", None, after=True)  # each file another rank sent, written
     phases.wrap(tiersave, "prune", "prune")
+    # the remote tier: called as module globals at call time (session.py imports tierremote.upload when it runs)
+    phases.wrap(tierremote, "upload", "upload")
+    phases.wrap(tierremote, "_send", "send")  # each file sent: tiersave._write_checked above (a nap after it)
+    phases.wrap(tierremote, "_commit", "commit-remote")
+    phases.wrap(objects.ObjectStaging, "commit", None, before=True)  # every file and the manifest uploaded
+    phases.wrap(tierremote, "point_at", "point-remote", before=True)  # committed, the remote latest not moved
+    phases.wrap(objects.ObjectStore, "remove", "prune-remote", before=True)  # a remote generation removed
     phases.wrap(tierload, "restore", "restore")
     phases.wrap(tierload, "_refill", "refill")
     phases.wrap(local.LocalStaging, "commit", None, before=True)  # a staged holding, either tier
@@ -196,6 +222,10 @@ def anything_held() -> bool:
     make the first launch differ from the uninterrupted run; ``tier_restore_empty`` shows it."""
     mine = any(p.name.startswith("gen-") for d in (node_dir(), node_dir() / "replicas") if d.is_dir()
                for p in d.iterdir())
+    if not mine and remote() is not None and dist.get_rank() == 0:  # the remote tier counts too
+        from trainstate.storage.locate import open_store
+
+        mine = bool(open_store(remote()["url"], storage_options=remote()["storage_options"]).generations())
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return any(every)

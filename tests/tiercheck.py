@@ -22,8 +22,24 @@ The holdings are read with :func:`trainstate.distributed.tiers.holdings`, the
 structural view a restore starts from; a file counts as held only where that
 view lists it AND the copy's bytes verify (each chunk of a ``blake3-chunked``
 file against its chunk digest). ``survey(node_dirs)`` returns what was found
-(pointers, holdings, leftovers per tier) for reports. Run as a script:
-``python tests/tiercheck.py NODE_DIR [NODE_DIR ...]``.
+(pointers, holdings, leftovers per tier) for reports.
+
+``check_remote(url, storage_options)`` checks the remote tier behind the
+nodes (an object store, read through ``open_store``) on its own, as a restore
+after losing every node would read it:
+
+(r1) the remote ``latest``, if there is one, parses and names a generation the
+     remote serves whole: committed, its manifest the one the pointer records
+     (digest and size), every file present at its size and every byte verified
+     (``verify_generation(content=True)``: the state decodes as a restore's);
+(r2) no generation the remote lists (``store.generations()``: those a commit
+     record names) is partial: each verifies whole in the same way.
+
+Leftovers of an interrupted upload (staging attempts no commit record names,
+``store.leftovers()``) and generations set aside are allowed.
+``survey_remote`` returns what was found (pointer, generations, leftovers,
+aside). Run as a script: ``python tests/tiercheck.py NODE_DIR [NODE_DIR ...]``
+(``--remote URL [--options JSON]`` adds the remote check).
 """
 
 from __future__ import annotations
@@ -36,10 +52,11 @@ from pathlib import Path
 from trainstate.distributed.tiers import REPLICAS, holdings
 from trainstate.errors import CorruptGeneration
 from trainstate.format.digest import digest_stream
-from trainstate.format.manifest import MANIFEST, POINTER, Manifest, generation_order, parse_generation_name
+from trainstate.format.manifest import (MANIFEST, POINTER, Manifest, Pointer, generation_order,
+                                        parse_generation_name)
 from trainstate.storage import chunked
 from trainstate.storage.local import LocalStore
-from trainstate.storage.verify import read_manifest, read_pointed
+from trainstate.storage.verify import read_manifest, read_pointed, verify_generation
 
 LEFTOVER = re.compile(r"\.trainstate-(staging|trash|tmp)-.+")
 ASIDE = re.compile(r"gen-\d{12}(?:-weights|-r\d{3})?\.(rejected|abandoned|superseded)-[0-9a-f]{16}")
@@ -214,7 +231,77 @@ def check(node_dirs: list[Path]) -> list[str]:
     return violations
 
 
+# the remote tier ------------------------------------------------------------------------------------------------
+@dataclass
+class Remote:
+    """The remote tier as found: its ``latest`` (None: no pointer), committed generations (newest first), the
+    whole ones among them, leftovers of interrupted uploads and generations set aside."""
+
+    url: str
+    pointer: Pointer | None = None
+    generations: list = field(default_factory=list)
+    whole: list = field(default_factory=list)
+    leftovers: list = field(default_factory=list)
+    aside: list = field(default_factory=list)
+
+
+def open_remote(url: str, storage_options: dict | None = None):
+    """The remote's store, read the way a restore reads it."""
+    from trainstate.storage.locate import open_store
+
+    return open_store(url, storage_options=storage_options)
+
+
+def survey_remote(url: str, storage_options: dict | None = None, violations: list[str] | None = None) -> Remote:
+    """What the remote holds; violations of (r1) and (r2) are appended to ``violations``."""
+    violations = [] if violations is None else violations
+    store = open_remote(url, storage_options)
+    found = Remote(url)
+    found.generations = list(store.generations())
+    found.leftovers = list(store.leftovers())
+    found.aside = list(store.aside())
+    for name in found.generations:  # (r2)
+        try:
+            verify_generation(store, name, content=True)
+        except (CorruptGeneration, OSError) as exc:
+            violations.append(f"{url}: {name} is listed (committed) but partial or corrupt: {exc}")
+        else:
+            found.whole.append(name)
+    if store.read_pointer(POINTER) is None:
+        return found
+    found.pointer = read_pointed(store, POINTER, None)
+    if found.pointer is None:
+        violations.append(f"{url}/{POINTER}: does not parse")
+        return found
+    name = found.pointer.generation  # (r1)
+    if name not in found.generations:
+        violations.append(f"{url}/{POINTER} names {name}, which the remote does not serve: no commit record "
+                          f"(the remote lists {found.generations[:4]})")
+        return found
+    try:
+        verify_generation(store, name, found.pointer, content=True)
+    except (CorruptGeneration, OSError) as exc:
+        violations.append(f"{url}/{POINTER} names {name}, which the remote does not serve whole: {exc}")
+    return found
+
+
+def check_remote(url: str, storage_options: dict | None = None) -> list[str]:
+    """Every violation of (r1) and (r2) on the remote tier at ``url`` (see the module docstring)."""
+    violations: list[str] = []
+    survey_remote(url, storage_options, violations)
+    return violations
+
+
 if __name__ == "__main__":
-    found = check([Path(p) for p in sys.argv[1:]])
+    args, remote_url, options = sys.argv[1:], None, None
+    if "--remote" in args:
+        at = args.index("--remote")
+        remote_url, args = args[at + 1], args[:at] + args[at + 2:]
+    if "--options" in args:
+        import json
+
+        at = args.index("--options")
+        options, args = json.loads(args[at + 1]), args[:at] + args[at + 2:]
+    found = check([Path(p) for p in args]) + (check_remote(remote_url, options) if remote_url else [])
     print("\n".join(found) if found else "ok")
     sys.exit(1 if found else 0)
