@@ -27,7 +27,8 @@ def _lose(directory: Path) -> None:
     directory.mkdir()
 
 
-def test_remote_tier_uploads_every_second_generation_and_serves_only_what_the_nodes_lost(moto_server, tmp_path):
+def test_remote_tier_uploads_every_second_generation_and_serves_only_what_the_nodes_lost(moto_server, tmp_path,
+                                                                                         capsys):
     bucket = moto_server.make_bucket()
     url = moto_server.url(bucket, f"run-{uuid.uuid4().hex[:8]}")
     dirs = [tmp_path / "node0", tmp_path / "node1"]
@@ -43,6 +44,7 @@ def test_remote_tier_uploads_every_second_generation_and_serves_only_what_the_no
             record = directory / "tier-timings.json"
             timings.update({k: v for k, v in json.loads(record.read_text()).items() if v} if record.exists() else {})
         assert {"save_local", "replicate", "upload"} <= set(timings), timings  # measured, for `cadence --run`
+        _check_cost(dirs[0], tmp_path, capsys)
         remote = open_store(url, storage_options=options)
         assert remote.generations() == [GEN, "gen-000000000002"]  # the first save, then every second one
         verify_generation(remote, GEN, content=True)  # an ordinary multi-rank generation: every byte verifies
@@ -86,3 +88,34 @@ def test_a_lost_node_without_replicas_takes_only_its_own_shards_from_the_remote(
     remote_files = open_store(url, storage_options=moto_server.storage_options()).files(GEN)
     lost_rank = sum(size for name, size in remote_files.items() if name.startswith(("rank-00001", "shard-00001")))
     assert sources["remote"] <= lost_rank, (sources, lost_rank)  # the global files came from the surviving node
+
+
+def _check_cost(node: Path, tmp_path: Path, capsys) -> None:
+    """``trainstate cost NODE_DIR``: the node's capacity, the replicas' traffic priced on the replication tier, and
+    the object store priced at one upload every mirror_every saves (2 here), from what the run recorded."""
+    from trainstate.cli.main import main
+
+    rates = tmp_path / "rates.toml"
+    rates.write_text('date = 2026-12-01\n[tiers.zone]\ngb_month = 0\nper_gb_in = 0.01\nper_gb_out = 0.01\n'
+                     '[tiers.s3]\ngb_month = 0.023\nper_1000_writes = 0.005\n')
+    capsys.readouterr()
+    assert main(["cost", str(node), "--rates", str(rates), "--replication-tier", "zone", "--json",
+                 "--interval-s", "60"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    local = report["node_tiers"]
+    assert local["tiering"] == {"nodes": 2, "ranks": 4, "domains": 2, "replicas": 2, "keep_last": 2,
+                                "mirror_every": 2, "remote_keep": 2}, local
+    held = local["per_month"]
+    assert held["own_bytes"] > 0 and held["replica_bytes"] > 0, held
+    assert held["node_capacity_bytes"] == 3 * (held["own_bytes"] + held["replica_bytes"])
+    size = report["measured"]["full"]["size_bytes"]
+    assert held["replicated_gb"] == pytest.approx(30 * 24 * 60 * size / 1e9)  # a save a minute, one more copy
+    assert held["cross_domain_gb"] == held["replicated_gb"]  # two domains: the copy crosses
+    assert local["replication"]["transfer"] == pytest.approx(held["cross_domain_gb"] * 0.02)
+    assert [t["tier"] for t in report["tiers"]] == ["s3"]  # the replication tier prices the replicas only
+    assert report["measured"]["full"]["interval_s"] == 120 and report["measured"]["full"]["keep"] == 2
+    assert report["per_month"]["saves_full"] == pytest.approx(30 * 24 * 30)  # every second save uploaded
+    assert main(["cost", str(node), "--rates", str(rates), "--interval-s", "60"]) == 0
+    text = capsys.readouterr().out
+    assert "node-local tiers: 2 nodes in 2 failure domain(s), 4 ranks, replicas=2" in text, text
+    assert "between failure domains" in text and "not priced" in text, text

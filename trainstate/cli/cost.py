@@ -11,8 +11,10 @@ is built in.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,14 @@ from ..errors import InvalidArgument, TrainStateError
 from ..format.manifest import Manifest, parse_generation_name
 from ..lifecycle import costs
 from ..lifecycle.generations import Lifecycle
+from ..distributed import tiertimes
+from ..format.manifest import POINTER, generation_order
+from ..lifecycle import tiercosts
+from ..lifecycle.retention import Retention
 from ..storage.base import Store
-from ..storage.verify import read_manifest
+from ..storage.local import LocalStore
+from ..storage.verify import read_manifest, read_pointed
+from ..tools.nodes import is_node_directory, read_node
 
 
 def _generation_bytes(store: Store, life: Lifecycle, generation: str) -> tuple[int, Manifest]:
@@ -82,8 +90,10 @@ def measure(args: argparse.Namespace) -> tuple[costs.Measured, list[str]]:
     if not names:
         raise InvalidArgument(f"{store.location} holds no generations: nothing to measure (is it the run "
                               "directory? a save creates gen-<update> directories in it)")
-    manifests = life.manifests(names)
-    newest = life.newest_full()
+    if is_node_directory(path):  # one node of a tiered run holds part of each generation: manifests alone
+        manifests, newest = _node_manifests(store, life, names)
+    else:
+        manifests, newest = life.manifests(names), life.newest_full()
     if newest is None:
         raise InvalidArgument(f"{store.location} holds no full generation that verifies: nothing to size a "
                               f"restart from (`trainstate verify {store.location}` says why)")
@@ -115,6 +125,21 @@ def measure(args: argparse.Namespace) -> tuple[costs.Measured, list[str]]:
                           restore=restore_reads(store, newest) if args.size_bytes is None else None), notes
 
 
+def _node_manifests(store: Store, life: Lifecycle, names: list[str]) -> tuple[dict[str, Manifest], Manifest | None]:
+    """A node's manifests that read, and the one its ``latest`` names (else the newest full): sizes and times come
+    from the manifests; whether the nodes' holdings serve them is ``trainstate nodes``' to check."""
+    manifests = {}
+    for name in names:
+        try:
+            manifests[name] = read_manifest(store, name, key=life.key)[0]
+        except (TrainStateError, OSError):
+            continue
+    pointer = read_pointed(store, POINTER, life.key)
+    full = sorted((n for n, m in manifests.items() if m.kind == "full"), key=generation_order)
+    newest = manifests.get(pointer.generation) if pointer else None
+    return manifests, newest or (manifests[full[-1]] if full else None)
+
+
 def restore_reads(store: Store, manifest: Manifest) -> costs.RestoreReads:
     """What restoring ``manifest``'s generation reads: every file once (with several ranks, each byte is
     downloaded by one rank and handed to the others that need it), from ``world_size`` processes."""
@@ -141,13 +166,85 @@ def cmd_cost(args: argparse.Namespace) -> int:
     rates = read_rates(args.rates)
     today = datetime.date.today()
     warning = costs.staleness(rates, today, args.max_age_days)
+    local = None
+    if is_node_directory(args.directory):  # node-local tiers: the object store holds every mirror_every-th save
+        local, measured, rates = _node_tiers(args, measured, rates)
+    elif args.replication_tier is not None:
+        raise InvalidArgument(f"--replication-tier prices the replicas of a run with node-local tiers; "
+                              f"{args.directory} is not one node's directory of such a run (no replicas/ in it)")
     result = costs.estimate(measured, rates, restores_per_month=args.restores_per_month, months=args.months)
     report = _report(args, measured, rates, result, today, warning, notes)
+    if local is not None:
+        report["node_tiers"] = local
     if args.json:
         print(json.dumps(report, indent=1))
     else:
+        if local is not None:
+            _print_node_tiers(local)
         _print(report, measured, result)
     return 0
+
+
+def _node_tiers(args: argparse.Namespace, measured: costs.Measured, rates: costs.Rates
+                ) -> tuple[dict[str, Any], costs.Measured, costs.Rates]:
+    """A node's directory of a tiered run: its capacity and the replicas' traffic, priced on
+    ``--replication-tier``; the rest of the rates then price the remote tier at its own cadence."""
+    config = tiertimes.read_config(LocalStore(args.directory, create=False))
+    if not config:
+        raise InvalidArgument(f"{Path(args.directory) / tiertimes.TIMINGS} does not record how the run is tiered "
+                              "(written at each start of a run with node-local tiers, by this version or later): "
+                              "restart the run once, then price it")
+    tiering = tiercosts.Tiering(**{k: config.get(k, 0) for k in tiertimes.CONFIG_KEYS})
+    node, _ = read_node(args.directory, content=False)
+    newest = node.pointers.get("local") or max(node.held, key=generation_order, default=None)
+    held = node.held.get(newest, {}).get("files", {}) if newest else {}
+    manifest = {f.name: f.size for f in measured_manifest(args.directory, newest).files} if newest else {}
+    own = sum(manifest.get(f, 0) for f, tier in held.items() if tier == "own")
+    replicas = sum(manifest.get(f, 0) for f, tier in held.items() if tier == "replica")
+    volumes = tiercosts.node_volumes(tiering, measured.full, own, replicas)
+    replication = None
+    names = [t.name for t in rates.tiers]
+    if args.replication_tier is not None:
+        if args.replication_tier not in names:
+            raise InvalidArgument(f"--replication-tier {args.replication_tier}: no such tier in {args.rates} "
+                                  f"(it has {', '.join(names)})")
+        replication = tiercosts.replication_cost(volumes, rates.tiers[names.index(args.replication_tier)])
+        rates = dataclasses.replace(rates, tiers=tuple(t for t in rates.tiers if t.name != args.replication_tier))
+    local = {"generation": newest, "tiering": costs.to_json(tiering), "per_month": costs.to_json(volumes),
+             "replication": costs.to_json(replication), "free_bytes": shutil.disk_usage(args.directory).free}
+    if tiering.mirror_every:
+        measured = dataclasses.replace(measured, full=tiercosts.remote_figures(tiering, measured.full),
+                                       policy=Retention(keep_last=max(1, tiering.remote_keep)),
+                                       policy_source=f"the remote tier's retention, {tiertimes.TIMINGS}")
+    elif rates.tiers:
+        raise InvalidArgument(f"{args.directory}: this run has no remote tier (no mirror=), so nothing of it is "
+                              f"stored on {', '.join(t.name for t in rates.tiers)}; price its replicas alone with "
+                              "--replication-tier NAME and a rates file of that one tier")
+    return local, measured, rates
+
+
+def measured_manifest(directory: str, generation: str) -> Manifest:
+    store, life = cli_lifecycle._lifecycle(directory)
+    return read_manifest(store, generation, key=life.key)[0]
+
+
+def _print_node_tiers(local: dict[str, Any]) -> None:
+    t, v, r = local["tiering"], local["per_month"], local["replication"]
+    remote = f"every {t['mirror_every']} saves to the remote, which keeps {t['remote_keep']}" if t["mirror_every"] \
+        else "no remote tier"
+    print(f"node-local tiers: {t['nodes']} nodes in {t['domains']} failure domain(s), {t['ranks']} ranks, "
+          f"replicas={t['replicas']}, keep_last={t['keep_last']}, {remote}")
+    fits = "fits" if local["free_bytes"] >= v["node_capacity_bytes"] else "DOES NOT FIT"
+    print(f"  this node holds {v['own_bytes']:,} B of its own and {v['replica_bytes']:,} B of replicas of "
+          f"{local['generation']}; capacity needed (keep_last + 1 being written): {v['node_capacity_bytes']:,} B "
+          f"({fits}: {local['free_bytes']:,} B free here now)")
+    cost = f"; priced on {r['tier']}: {_money(r['transfer'])} per month" if r else \
+        " (not priced: --replication-tier NAME prices it per GB in and out)"
+    print(f"  replication: {_num(v['replicated_gb'])} GB per month to replicas, {_num(v['cross_domain_gb'])} GB "
+          f"of it between failure domains{cost}")
+    if t["mirror_every"]:
+        print(f"  the object-store tiers below are priced for {_num(v['uploads_per_month'])} uploads per month "
+              "(each restore counted below reads the remote: only when the nodes cannot serve)")
 
 
 def _report(args: argparse.Namespace, measured: costs.Measured, rates: costs.Rates, result: costs.Estimate,
@@ -267,5 +364,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--every", type=int, default=None, help="updates between full saves (default: measured)")
     p.add_argument("--size-bytes", type=int, default=None,
                    help="bytes per full generation (default: the newest's files and manifest)")
+    p.add_argument("--replication-tier", default=None, metavar="NAME",
+                   help="a run with node-local tiers (DIRECTORY is one node's): the rates tier whose per_gb_in and "
+                   "per_gb_out price the replicas sent between failure domains; the other tiers price the remote")
     cli_lifecycle._policy_flags(p)
     p.set_defaults(func=cmd_cost)

@@ -64,6 +64,14 @@ class Session:
 
         self.tier = tiers.Tier(store, tiers.discover(self.fg, node, failure_domain), replicas, keep_last,
                                wait_replicas, preflight, headroom, remote)
+        topo = self.tier.topology
+        if topo.is_leader:
+            from . import tiertimes
+
+            tiertimes.configure(store, {"nodes": topo.nodes, "ranks": len(topo.node_of),
+                                        "domains": len(set(topo.domains)), "replicas": replicas,
+                                        "keep_last": keep_last, "mirror_every": remote.every if remote else 0,
+                                        "remote_keep": remote.retention.keep_last if remote else 0})
         single = tiers.single_domain_shards(self.tier.topology.domains, replicas)
         if single:
             log.warning("with replicas=%d the copies of nodes %s all lie in one failure domain", replicas, single)

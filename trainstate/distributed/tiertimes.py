@@ -15,7 +15,8 @@ atomically like a pointer) holds, per kind, the last :data:`KEEP` samples
 ``trainstate cadence --run NODE_DIR`` reads it to compute each tier's interval, the expected
 lost work and the recovery time per failure class from these measurements
 (:mod:`trainstate.lifecycle.sla`; the uploads are timed on rank 0's node only). A missing or damaged record is no
-measurement, never an error: the numbers are advice, not state.
+measurement, never an error: the numbers are advice, not state. Beside them, ``config`` records how the
+run is tiered (:func:`configure`, at each start), which ``trainstate cost`` prices.
 """
 
 from __future__ import annotations
@@ -28,19 +29,41 @@ from typing import Any
 TIMINGS = "tier-timings.json"
 KINDS = ("save_local", "replicate", "upload", "restore_local", "restore_peer", "restore_remote")
 KEEP = 32
+CONFIG_KEYS = ("nodes", "ranks", "domains", "replicas", "keep_last", "mirror_every", "remote_keep")
 log = logging.getLogger("trainstate")
+
+
+def _raw(store: Any) -> dict[str, Any]:
+    try:
+        data = store.read_pointer(TIMINGS)
+        raw = json.loads(data) if data else {}
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) and raw.get("format") == "trainstate-tier-timings" else {}
+
+
+def read_config(store: Any) -> dict[str, int]:
+    """How the run was tiered, as its last start recorded it (:func:`configure`); ``{}`` when unknown."""
+    config = _raw(store).get("config")
+    if not isinstance(config, dict):
+        return {}
+    return {k: v for k, v in config.items() if k in CONFIG_KEYS and type(v) is int and v >= 0}
+
+
+def configure(store: Any, config: dict[str, int]) -> None:
+    """Record the run's tiering (nodes, ranks, failure domains, replicas, keep_last, mirror_every, remote_keep;
+    0 where there is no remote) beside the samples, for ``trainstate cost`` (best effort, as :func:`record`)."""
+    try:
+        store.write_pointer(TIMINGS, json.dumps({"format": "trainstate-tier-timings", **read(store),
+                                                 "config": config}).encode())
+    except OSError as exc:
+        log.warning("could not record the tiering in %s (%r)", store.location, exc)
 
 
 def read(store: Any) -> dict[str, list[list[float]]]:
     """The samples by kind (empty lists where none), from a node's store; ``{}`` kinds on any damage."""
     out: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
-    try:
-        data = store.read_pointer(TIMINGS)
-        raw = json.loads(data) if data else {}
-    except (OSError, ValueError):
-        return out
-    if not isinstance(raw, dict) or raw.get("format") != "trainstate-tier-timings":
-        return out
+    raw = _raw(store)
     for kind in KINDS:
         samples = raw.get(kind)
         if isinstance(samples, list):
@@ -54,7 +77,9 @@ def record(store: Any, kind: str, seconds: float, nbytes: int) -> None:
     try:
         samples = read(store)
         samples[kind] = (samples[kind] + [[round(seconds, 6), int(nbytes), round(time.time(), 3)]])[-KEEP:]
-        store.write_pointer(TIMINGS, json.dumps({"format": "trainstate-tier-timings", **samples}).encode())
+        config = read_config(store)
+        store.write_pointer(TIMINGS, json.dumps({"format": "trainstate-tier-timings", **samples,
+                                                 **({"config": config} if config else {})}).encode())
     except OSError as exc:
         log.warning("could not record a %s timing in %s (%r)", kind, store.location, exc)
 
