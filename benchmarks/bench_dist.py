@@ -468,6 +468,9 @@ class Profiler:
 
             def hexdigest(self):
                 return self.inner.hexdigest()
+
+            def __getattr__(self, name):  # a chunked hasher's chunk digests, and anything else it offers
+                return getattr(self.inner, name)
         local.new_hasher = lambda algorithm: TimedHasher(original_hasher(algorithm))
         self.undo.append(lambda: setattr(local, "new_hasher", original_hasher))
         # the collectives of the protocol (JSON over gloo): time spent here is mostly waiting for the other rank
@@ -485,6 +488,7 @@ class Profiler:
         self.wrap(load, "sharded_state", "restore/2+3/templates (get_*_state_dict)")
         self.wrap(storage.Reader, "read_data", "restore/2+3/dcp read_data")
         self.wrap(tensorfile, "read_tensor", "restore/2+3/dcp read_data/read_tensor (into new tensors)")
+        self.wrap(storage.Reader, "_read_verified", "restore/2+3/dcp read_data/_read_verified (one pass)")
         self.wrap(storage.Reader, "_deliver", "restore/2+3/dcp read_data/_deliver (copy_ into target)")
         self.wrap(load, "set_model_state_dict", "restore/2+3/set_model_state_dict")
         self.wrap(load, "set_optimizer_state_dict", "restore/2+3/set_optimizer_state_dict")
@@ -504,6 +508,50 @@ class Profiler:
         self.seconds.clear()
         self.calls.clear()
         return out
+
+
+def run_background(m: Methods, root: Path, n: int) -> dict:
+    """``n`` pairs in one trainstate manager (``keep_last=2``): a background save's blocking part (from the call
+    until ``save(blocking=False)`` returned on every rank), its wait, then a blocking save; the first background
+    save follows ``preallocate``. The figure a trainer feels is the blocking part against a blocking save."""
+    out = root / "background"
+    on_rank0(lambda: out.mkdir())
+    ckpt = m.manager(out, keep_last=2)
+    rows: dict[str, list[float]] = defaultdict(list)
+    try:
+        m.live.next_update += 1
+        timed(lambda: ckpt.save(m.live))  # the directory's steady state: a generation to prune from
+        start = time.perf_counter()
+        rows["preallocated_bytes"].append(ckpt.preallocate(m.live))
+        rows["preallocate_s"].append(time.perf_counter() - start)
+        for i in range(n):
+            m.live.next_update += 1
+            settle()
+            rows["first_background" if i == 0 else "background"].append(
+                timed(lambda: ckpt.save(m.live, blocking=False))["wall"])
+            rows["wait"].append(timed(ckpt.wait)["wall"])
+            m.live.next_update += 1
+            settle()
+            rows["blocking"].append(timed(lambda: ckpt.save(m.live))["wall"])
+            say(f"background pair {i}: background {rows['first_background' if i == 0 else 'background'][-1]:.3f} s "
+                f"(+ wait {rows['wait'][-1]:.3f} s), blocking {rows['blocking'][-1]:.3f} s")
+    finally:
+        m.close(ckpt)
+        on_rank0(lambda: shutil.rmtree(out))
+    return {**rows, "load": list(os.getloadavg())}
+
+
+def background_lines(b: dict) -> list[str]:
+    blocking = med(b["blocking"])
+    steady = med(b["background"]) if b["background"] else None
+    lines = [f"  background saves ({len(b['blocking'])} pairs, load {b['load'][0]:.1f}): blocking save median "
+             f"{blocking:.3f} s; first background after preallocate ({b['preallocated_bytes'][0] / MiB:.0f} MiB per "
+             f"rank, {b['preallocate_s'][0]:.2f} s) blocks {b['first_background'][0]:.3f} s "
+             f"({b['first_background'][0] / blocking:.3f}x)"]
+    if steady is not None:
+        lines.append(f"    steady background blocks {steady:.3f} s ({steady / blocking:.3f}x the blocking save; "
+                     f"min {min(b['background']):.3f}), its wait {med(b['wait']):.3f} s")
+    return lines
 
 
 def run_profile(m: Methods, root: Path, n: int, cold_ok: bool) -> dict:
@@ -613,6 +661,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", type=int, default=2, help="profiled rounds after the timed ones (0: none)")
     parser.add_argument("--no-cold", action="store_true", help="warm restores only")
+    parser.add_argument("--background", type=int, default=4,
+                        help="pairs of background and blocking trainstate saves after the reps (0: none)")
     parser.add_argument("--dir", default=None, help="where to write (default: a fresh temp dir, removed at the end)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--timeout", type=float, default=600.0, help="collective_timeout_s of the managers")
@@ -680,6 +730,7 @@ def main() -> int:
         on_rank0(lambda: shutil.rmtree(work))
         loads[-1] += list(os.getloadavg())
 
+    background = run_background(m, root, args.background) if args.background else None
     profile = run_profile(m, root, args.profile, cold_ok) if args.profile else None
     prof_by_rank = gather_json(profile)
     extra_by_rank = gather_json(dict(m.extra))
@@ -709,6 +760,8 @@ def main() -> int:
                      f"(target differed before the first: {first_differs})")
         if checks_failed:
             lines += [f"    {c}" for c in checks_failed]
+        if background:
+            lines += background_lines(background)
         if profile:
             lines.append(f"\nprofile ({args.profile} rounds, medians, seconds, inclusive; per rank):")
             lines += profile_lines(prof_by_rank)
@@ -731,6 +784,7 @@ def main() -> int:
                 "per_rank_times": own, "bytes_written_per_rank": written, "manager_setup_close": extra_by_rank,
                 "bitwise_equal": not checks_failed, "check_failures": checks_failed,
                 "target_differed_before_first_restore": first_differs, "profile_by_rank": prof_by_rank,
+                "background": background,
             }
             Path(args.out).write_text(json.dumps(result, indent=1))
             print(f"wrote {args.out}", flush=True)

@@ -264,6 +264,8 @@ def bit_flip(out: Path) -> dict:
         data[-3] ^= 0x10
         shard.write_bytes(bytes(data))
     dist.barrier()
+    # one pass (the default): shards are verified as they load, so verified chunks of a generation that then
+    # fails may already be in live tensors: the state is then unusable and saves refuse it
     untouched = build("fsdp", seed=9)
     before = full_state(untouched)
     with manager(out / "run") as ckpt:
@@ -272,7 +274,23 @@ def bit_flip(out: Path) -> dict:
             result["none_valid"] = "restored"
         except ts.NoValidGeneration as exc:
             result["none_valid"] = [r.generation for r in exc.rejections]
+            result["unusable"] = exc.unusable is not None
+        try:
+            ckpt.save(untouched)
+            result["save_refused"] = False
+        except ts.StateUnusable:
+            result["save_refused"] = True
     result["untouched_differs"] = same(full_state(untouched), before)
+    # in_place=False: every shard digested before anything loads: not one live tensor changes
+    untouched = build("fsdp", seed=9)
+    with manager(out / "run") as ckpt:
+        try:
+            ckpt.restore(untouched, in_place=False)
+            result["two_pass"] = "restored"
+        except ts.NoValidGeneration as exc:
+            result["two_pass"] = [r.generation for r in exc.rejections]
+            result["two_pass_unusable"] = exc.unusable is not None
+    result["two_pass_differs"] = same(full_state(untouched), before)
     return result
 
 
@@ -467,6 +485,7 @@ def background(out: Path) -> dict:
     state = build("ddp")
     boundaries = {}
     with manager(out / "run", keep_last=10) as ckpt:
+        preallocated = ckpt.preallocate(state)  # the first background save copies into faulted-in buffers
         for _ in range(3):
             train(state, 2)
             boundaries[state.next_update] = full_state(state)
@@ -500,7 +519,23 @@ def background(out: Path) -> dict:
         with manager(out / "run") as ckpt:
             ckpt.restore(fresh, generation=f"gen-{update:012d}")
         restored[update] = same(full_state(fresh), expected)
-    return {"latest": latest, "restored_differs": {str(k): v for k, v in restored.items()}, "surfaced": surfaced}
+    # FSDP2 (DTensors, 0-d step counts): preallocate leaves the live state as it was, and a background save
+    # into the preallocated buffers restores bitwise
+    sharded = build("fsdp")
+    train(sharded, 2)
+    with manager(out / "fsdp", keep_last=2) as ckpt:
+        before = full_state(sharded)
+        fsdp_preallocated = ckpt.preallocate(sharded)
+        untouched = same(full_state(sharded), before)
+        ckpt.save(sharded, blocking=False)
+        train(sharded, 1)  # changes the live tensors while the owned copy is written
+        ckpt.wait()
+    fresh = build("fsdp", seed=9)
+    with manager(out / "fsdp") as ckpt:
+        ckpt.restore(fresh)
+    return {"latest": latest, "restored_differs": {str(k): v for k, v in restored.items()}, "surfaced": surfaced,
+            "preallocated": preallocated, "fsdp_preallocated": fsdp_preallocated, "preallocate_changed": untouched,
+            "fsdp_background_differs": same(full_state(fresh), before)}
 
 
 def _install_fault(kind: str) -> None:

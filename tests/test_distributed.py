@@ -80,7 +80,13 @@ def test_a_bit_flip_in_the_newest_shard_makes_every_rank_fall_back_together(runs
         assert result["generation"] == "gen-000000000003" and result["rejected"] == ["gen-000000000005"], result
         assert result["differs"] == [], result
         assert result["none_valid"] == ["gen-000000000005", "gen-000000000003"], result
-        assert result["untouched_differs"] == [], result  # nothing verified: not one live tensor changed
+        # one pass: the damage is found while loading, after verified chunks reached live tensors on some rank;
+        # the state says so on every rank and no save publishes it
+        assert result["unusable"] is True and result["save_refused"] is True, result
+        assert result["untouched_differs"], result
+        # in_place=False verifies every shard first: nothing verified, not one live tensor changed
+        assert result["two_pass"] == ["gen-000000000005", "gen-000000000003"], result
+        assert result["two_pass_unusable"] is False and result["two_pass_differs"] == [], result
 
 
 # 6. no pickle ----------------------------------------------------------------------------------------------------
@@ -161,6 +167,13 @@ def test_background_saves_on_the_dedicated_group_while_ddp_trains(runs):
     for result in runs["two"].ok("background"):
         assert result["latest"] == "gen-000000000008", result
         assert all(d == [] for d in result["restored_differs"].values()), result  # each the state at its call
+
+
+def test_preallocate_fills_every_ranks_buffers_without_touching_the_live_state(runs):
+    for result in runs["two"].ok("background"):
+        assert result["preallocated"] > 0 and result["fsdp_preallocated"] > 0, result
+        assert result["preallocate_changed"] == [], result  # 0-d DTensors are the live ones: never zeroed
+        assert result["fsdp_background_differs"] == [], result  # saved from the preallocated buffers, bitwise
 
 
 @pytest.mark.parametrize("where", ["save", "wait", "close"])

@@ -255,9 +255,12 @@ class Writer:
 
     def preallocate(self, tensors: dict[str, torch.Tensor]) -> int:
         """Every slot's buffers for ``tensors``, allocated and faulted in (see :meth:`StagingBuffers.preallocate`)."""
+        return sum(buffers.preallocate(tensors) for buffers in self.free_buffers())
+
+    def free_buffers(self) -> list[StagingBuffers]:
+        """The buffers of every slot no save holds now."""
         with self._lock:
-            free = [buffers for slot, buffers in enumerate(self._pool) if slot not in self._claims]
-        return sum(buffers.preallocate(tensors) for buffers in free)
+            return [buffers for slot, buffers in enumerate(self._pool) if slot not in self._claims]
 
     # the caller's side of a save ----------------------------------------------
     def reserve(self, ticket: Ticket) -> StagingBuffers:

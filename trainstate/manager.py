@@ -36,7 +36,7 @@ from .lifecycle.rehearsal import Factory, Rehearsal, rehearse
 from .lifecycle.retention import Plan, Retention
 from .records import GenerationInfo, RestoreInfo, Status
 from .restore import IN_PLACE_BYTES
-from .state import snapshot
+from .state import snapshot, usable
 from .state.train_state import TrainState
 from .storage.base import Store, pinned
 from .storage.locate import open_store
@@ -190,7 +190,7 @@ class CheckpointManager:
         by ``handle.wait()`` or the next ``save``, ``wait`` or ``close``.
         """
         self._writer.raise_unreported()
-        restore_mod.refuse_unusable(state)  # a restore that failed midway left it half loaded
+        usable.refuse_unusable(state)  # a restore that failed midway left it half loaded
         if not blocking and self.rehearse_factory is not None:
             raise InvalidArgument("rehearse= builds objects (and may draw global RNG) while training runs; it cannot "
                              "run beside a background save. Use blocking saves, or rehearse out of process with "
@@ -235,8 +235,8 @@ class CheckpointManager:
     def preallocate(self, state: TrainState) -> int:
         """Allocate and fault in the buffers a background save of ``state`` copies into (their bytes); call it
         once, e.g. after ``restore``, and the first ``save(blocking=False)`` stalls as briefly as later ones."""
-        if self._session is not None:
-            return 0  # multi-rank background saves stage per rank through DCP's state dicts
+        if self._session is not None:  # each rank its own share: DCP's sharded state dicts (call it on every rank)
+            return self._session.preallocate(self._writer, state)
         return self._writer.preallocate(snapshot.capture(state, kind="full")[1])
 
     def wait(self) -> None:
@@ -398,7 +398,7 @@ class CheckpointManager:
         try:
             if self._session is not None:  # the sharded part loads in place through DCP
                 info, self.last_rejections = self._session.restore(self, state, generation, allow_changes,
-                                                                   rng_statistical_cuda)
+                                                                   rng_statistical_cuda, in_place)
             else:
                 info, self.last_rejections = restore_mod.restore(
                     self.store, state, key=self.key, generation=generation, allow_changes=allow_changes,

@@ -362,14 +362,14 @@ class Publisher:
         return run
 
     def catch_up(self, restored: str) -> None:
-        """A restore passed over ``latest`` for ``restored``, a newer complete generation (a crash between a commit
-        and the pointer move, or an unsigned pointer copied back): finish that publication, so that ``latest``
+        """A restore passed over a valid ``latest`` for ``restored``, a newer complete generation (a crash between a
+        commit and the pointer move, or an unsigned pointer copied back): finish that publication, so that ``latest``
         names what a restart resumes from even when no save follows (a run killed in its final save, then
         restored at its last update, saves nothing more). Best effort: a directory that cannot be written
         (read-only, or a pointer that will not move) keeps its pointer, and restore rolls forward again."""
         pointer = read_pointed(self.store, POINTER, self.key)
-        if pointer is not None and generation_order(pointer.generation) >= generation_order(restored):
-            return
+        if pointer is None or generation_order(pointer.generation) >= generation_order(restored):
+            return  # a missing or garbage pointer stays as evidence (verify reports it) until the next save
         try:
             self.store.lock()
             point_at(self.store, verify_generation(self.store, restored, content=False, key=self.key), self.key)

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import (CorruptGeneration, NoValidGeneration, PointerRollback, Rejection, StateMismatch,
-                     StateUnusable, WeightsOnlyGeneration)
+                     WeightsOnlyGeneration)
 from .format.digest import CHUNKED
 from .format.manifest import (POINTER, RUN, STATE, Manifest, Pointer, generation_order, parse_generation_name,
                               parse_pointer, parse_run)
@@ -47,6 +46,7 @@ from .records import GenerationInfo, RestoreInfo
 from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
+from .state.usable import mark_unusable, mark_usable, telling_unusable, unusable
 from .storage.base import Store, pinned
 from .storage.streams import Rewindable, spooled
 from .storage.chunked import Progress
@@ -57,23 +57,6 @@ IN_PLACE_BYTES = 256 << 20  # restore(in_place=None) loads in place above this m
 
 WholeCheck = Callable[[Store, Manifest, SigningKey | None], dict]  # checks a multi-rank generation whole
 Chosen = tuple[Verified, dict[str, Any], str]  # the generation, its decoded payload, how it loads (see load)
-_UNUSABLE: weakref.WeakKeyDictionary[TrainState, str] = weakref.WeakKeyDictionary()
-
-
-def unusable(state: TrainState) -> str | None:
-    """Why ``state`` must not be saved or trained on (a restore failed after live tensors changed), or None."""
-    return _UNUSABLE.get(state)
-
-
-def refuse_unusable(state: TrainState) -> None:
-    """Raise :class:`StateUnusable` for a state a failed restore left partly loaded."""
-    reason = _UNUSABLE.get(state)
-    if reason is not None:
-        raise StateUnusable(f"this TrainState is unusable: {reason}. Saving it would publish a mix of two states. "
-                            "Rebuild the live objects (model, optimizer, ...) and restore again, or restore a "
-                            "generation that loads completely.")
-
-
 def restore(store: Store, state: TrainState, *, key: SigningKey | None, generation: str | None = None,
             allow_changes: Iterable[str] = (), statistical_cuda: bool = False, in_place: bool | None = None,
             progress: bool | None = False) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
@@ -99,12 +82,8 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
              ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     failed: list[Rejection] = []  # generations whose one-pass load found damage after the choice
     while True:
-        try:
+        with telling_unusable(state, failed, store.location):
             chosen, rejected = choose(store, key, generation, preview=in_place, skip=failed, meter=meter)
-        except NoValidGeneration as exc:
-            if not failed:
-                raise
-            raise NoValidGeneration(store.location, exc.rejections, unusable=unusable(state)) from None
         rejected = tuple(failed) + rejected
         if chosen is None:
             return None, rejected
@@ -125,7 +104,7 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
             except CorruptGeneration as exc:
                 failed.append(Rejection(name, str(exc)))
                 if progress.live_changed:
-                    _UNUSABLE[state] = (f"restoring {name} failed after {progress.chunks} verified chunks were "
+                    mark_unusable(state, f"restoring {name} failed after {progress.chunks} verified chunks were "
                                         f"loaded into live tensors ({exc})")
                 log.warning("rejected %s while loading it (%s); %s", name, exc,
                             "live tensors hold part of it: the state is unusable unless another generation "
@@ -137,7 +116,7 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
             payload = load_in_place(store, state, verified, _metered(meter, verified.manifest, "load"))
         break
     warnings = snapshot.apply(state, payload, statistical_cuda=statistical_cuda, checked=checked)
-    _UNUSABLE.pop(state, None)  # every component loaded completely from one verified generation
+    mark_usable(state)  # every component loaded completely from one verified generation
     if accepted:
         state.history.append({"event": "contract_change", "restored_from": name,
                               "next_update": state.next_update,

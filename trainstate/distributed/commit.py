@@ -269,13 +269,14 @@ def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: P
     return GenerationInfo(**shared["info"])
 
 
-def verify_share(store: Any, manifest: Manifest, ranks: Ranks) -> None:
+def verify_share(store: Any, manifest: Manifest, ranks: Ranks, skip: set[str] = frozenset()) -> None:
     """Digest this rank's share of a generation's files: the files a rank wrote go to that rank (modulo the
-    world size), so each rank checks what it will load itself; the global files go to rank 0."""
+    world size), so each rank checks what it will load itself; the global files go to rank 0. ``skip``: files
+    verified elsewhere (a restore's shards, chunk by chunk as they load)."""
     owner = {name: r for r, names in enumerate(manifest.ranks) for name in names if not name.startswith(
         ("state.json", "tensors.safetensors", "dcp-metadata.json"))}
     for record in manifest.files:
-        if owner.get(record.name, 0) % ranks.world_size != ranks.rank:
+        if owner.get(record.name, 0) % ranks.world_size != ranks.rank or record.name in skip:
             continue
         where = f"{manifest.generation}/{record.name}"
         try:

@@ -22,6 +22,7 @@ reported as statistical.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -36,9 +37,11 @@ from ..format.codec import decode
 from ..format.manifest import STATE
 from ..records import GenerationInfo, RestoreInfo
 from ..restore import Candidates, HeldFiles, candidates, check_run, continue_lineage, expected_run
+from ..state.usable import mark_unusable, mark_usable, telling_unusable, unusable
 from ..state import contract as contract_mod
 from ..state import snapshot
 from ..state.train_state import TrainState
+from ..storage.chunked import Progress
 from ..storage.fetched import Fetched
 from ..storage.verify import decode_verified, read_json_file, read_tensors, verify_generation
 from .capture import contract_fields, sharded_state
@@ -47,6 +50,8 @@ from .group import Ranks, collective
 from .planner import LoadPlanner
 from .share import fetch_together
 from .storage import DCP_METADATA, Reader, metadata_from_json
+
+log = logging.getLogger("trainstate")
 
 
 class _Partial:
@@ -70,21 +75,51 @@ class _Partial:
 
 
 def restore(state: TrainState, ranks: Ranks, store: Any, key: Any, *, generation: str | None = None,
-            allow_changes: Iterable[str] = (), statistical_cuda: bool = False
+            allow_changes: Iterable[str] = (), statistical_cuda: bool = False, one_pass: bool = True
             ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
-    """Every rank calls it; see the module docstring."""
+    """Every rank calls it; see the module docstring. ``one_pass=False`` (``restore(in_place=False)``): every
+    shard is digested before anything loads, then read again by DCP, so that damage found anywhere leaves every
+    live tensor as it was (twice the reads)."""
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     remote = getattr(store, "remote", False)
     held = Fetched(store) if remote else HeldFiles(store)
+    failed: list[Rejection] = []  # generations whose one-pass load found damage after the choice
     with untouched_unless_loaded(state) as loading:
         try:
-            chosen, rejected = _choose(held, ranks, key, generation, _templates(state) if remote else None)
-            if chosen is None:
-                return None, rejected
-            loading()
-            return _load(state, chosen, rejected, held, ranks, allow, statistical_cuda), rejected
+            while True:
+                with telling_unusable(state, failed, held.location):
+                    chosen, rejected = _choose(held, ranks, key, generation, _templates(state) if remote else None,
+                                               failed, one_pass)
+                rejected = tuple(failed) + rejected
+                if chosen is None:
+                    return None, rejected
+                loading()
+                try:
+                    return _load(state, chosen, rejected, held, ranks, allow, statistical_cuda), rejected
+                except Damaged as exc:
+                    _loaded_damage(state, chosen[0].manifest.generation, exc, failed)
+                    if generation is not None:
+                        raise NoValidGeneration(held.location, failed, unusable=unusable(state)) from None
         finally:
             held.close()
+
+
+class Damaged(CorruptGeneration):
+    """A shard failed its chunk digests while DCP loaded it (on some rank): every rank passes over the generation."""
+
+    def __init__(self, generation: str, reason: str, live_changed: bool):
+        super().__init__(generation, reason)
+        self.generation, self.reason, self.live_changed = generation, reason, live_changed
+
+
+def _loaded_damage(state: TrainState, name: str, exc: Damaged, failed: list[Rejection]) -> None:
+    failed.append(Rejection(name, exc.reason))
+    if exc.live_changed:
+        mark_unusable(state, f"restoring {name} failed after verified chunks were loaded into live tensors "
+                             f"({exc.reason})")
+    log.warning("rejected %s while loading it (%s); %s", name, exc.reason,
+                "live tensors hold part of it: the state is unusable unless another generation loads completely"
+                if exc.live_changed else "no live tensor had changed")
 
 
 def _templates(state: TrainState) -> dict | None:
@@ -115,7 +150,8 @@ def untouched_unless_loaded(state: TrainState) -> Iterator[Callable[[], None]]:
 
 # 1. choose ---------------------------------------------------------------------------------------------------
 def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str | None,
-            templates: dict | None = None) -> tuple[Any, tuple[Rejection, ...]]:
+            templates: dict | None = None, skip: list[Rejection] = (), one_pass: bool = True
+            ) -> tuple[Any, tuple[Rejection, ...]]:
     order, error = None, None
     if ranks.rank == 0:
         try:
@@ -126,7 +162,7 @@ def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str |
     plan = None
     if ranks.rank == 0:
         plan = {"error": f"{type(error).__name__}: {error}", "rollback": isinstance(error, PointerRollback)} \
-            if error else {"names": list(order.names), "run": order.run,
+            if error else {"names": [n for n in order.names if n not in {r.generation for r in skip}], "run": order.run,
                            "rejected": [[r.generation, r.reason] for r in order.rejected]}
     plan = ranks.broadcast(plan, "choose")
     if "error" in plan:
@@ -136,7 +172,8 @@ def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str |
     rejected = [Rejection(g, r) for g, r in plan["rejected"]]
     for name in plan["names"]:
         pointer = order.pointer if order is not None and name == order.pointer_generation else None
-        verified, parts, problem = _check_candidate(held, name, pointer, plan["run"], ranks, key, templates)
+        verified, parts, problem = _check_candidate(held, name, pointer, plan["run"], ranks, key, templates,
+                                                    one_pass)
         reports = ranks.all_gather(problem, "verify")
         fatal = [r[1:] for r in reports if r.startswith("!")]
         if fatal:
@@ -145,13 +182,13 @@ def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str |
         if not failed:
             return (verified, parts), tuple(rejected)
         rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))
-    if not plan["names"] and not rejected:
+    if not plan["names"] and not rejected and not skip:
         return None, ()
-    raise NoValidGeneration(held.location, rejected)
+    raise NoValidGeneration(held.location, list(skip) + rejected)
 
 
 def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: str | None, ranks: Ranks, key: Any,
-                     templates: dict | None) -> tuple[Any, Any, str]:
+                     templates: dict | None, one_pass: bool = False) -> tuple[Any, Any, str]:
     """This rank's check of one candidate: ``(verified, parts, problem)``; a problem starting with "!" is a
     mismatch with the live state (fatal), any other is damage (the next candidate is tried)."""
     verified, parts, problem = None, None, ""
@@ -164,7 +201,8 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
         if not isinstance(held, Fetched):
             for record in verified.manifest.files:  # hold every file: what loads later is what is verified now
                 held.open(name, record.name).close()
-            verify_share(held, verified.manifest, ranks)
+            # the shards' chunks are verified as DCP loads them (one pass, storage.Reader); the rest here
+            verify_share(held, verified.manifest, ranks, skip=_loaded_verified(verified.manifest) if one_pass else ())
     except (CorruptGeneration, OSError) as exc:
         problem = f"{exc}"
     except StateMismatch as exc:
@@ -176,6 +214,7 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
     if not problem:
         try:
             parts = _read(held, verified.manifest, ranks)
+            parts["verify_shards"] = one_pass and not isinstance(held, Fetched)  # as DCP loads them
         except (CorruptGeneration, OSError) as exc:
             problem = f"{exc}"
         except StateMismatch as exc:
@@ -315,9 +354,10 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
         error = exc
     ranks.check("check", error)  # every check passed on every rank before any live object changes
     templates, _ = sharded_state(state)
-    reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files})
-    with collective("load", ranks):
-        dcp.load(templates, storage_reader=reader, planner=LoadPlanner(), process_group=ranks.group)
+    progress = Progress()
+    reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files},
+                    manifest if parts.get("verify_shards") else None, progress)  # else verified already
+    _load_checked(templates, reader, ranks, name, progress)
     error = None
     try:
         for component, described in sharded["components"].items():
@@ -331,6 +371,7 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
         error = StateMismatch(f"loading {name} failed after the checks passed ({type(exc).__name__}: {exc}); live "
                               "objects may hold part of it: rebuild them before restoring again")
     ranks.check("apply", error)
+    mark_usable(state)  # every component loaded completely from one verified generation
     if accepted:
         state.history.append({"event": "contract_change", "restored_from": name, "next_update": state.next_update,
                               "changes": [{"field": c.field, "old": c.old, "new": c.new} for c in accepted]})
@@ -340,6 +381,32 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     state.parent = name
     state.lineage = ranks.broadcast(continue_lineage(held, manifest) if ranks.rank == 0 else None, "lineage")
     return RestoreInfo(GenerationInfo.from_verified(held, verified), rejected, tuple(accepted), tuple(warnings))
+
+
+def _loaded_verified(manifest: Any) -> set[str]:
+    """The shard files whose chunks the load verifies as it reads them (so the choice need not read them)."""
+    return {f.name for f in manifest.files if f.name.startswith("shard-") and f.chunks}
+
+
+def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, progress: Progress) -> None:
+    """``dcp.load`` through the verifying reader; damage found on any rank raises :class:`Damaged` on every rank
+    (a lost peer or any other failure raises as before)."""
+    damage, failure = "", None
+    try:
+        with collective("load", ranks):
+            dcp.load(templates, storage_reader=reader, planner=LoadPlanner(), process_group=ranks.group)
+    except CorruptGeneration as exc:  # this rank's own (DCP gathered every rank's outcome: none is left waiting)
+        damage = str(exc)
+    except CheckpointFailed as exc:  # another rank's, or a failure that is not damage
+        if exc.peer_lost:
+            raise
+        failure = exc
+    reports = ranks.all_gather([damage, progress.live_changed], "load")
+    damaged = [f"rank {r}: {text}" for r, (text, _) in enumerate(reports) if text]
+    if damaged:
+        raise Damaged(name, "; ".join(damaged), any(live for _, live in reports))
+    if failure is not None:
+        raise failure
 
 
 def _sharded_record(payload: dict, where: str) -> dict:

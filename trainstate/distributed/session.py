@@ -26,7 +26,7 @@ from ..records import GenerationInfo, RestoreInfo
 from ..errors import Rejection
 from ..state.train_state import TrainState
 from . import commit, load
-from .capture import RankSnapshot, capture
+from .capture import RankSnapshot, capture, sharded_state
 from .group import DEFAULT_TIMEOUT_S, Ranks, checkpoint_groups
 
 log = logging.getLogger("trainstate")
@@ -119,6 +119,25 @@ class Session:
         if kind == "full":
             state.parent = name
         return pending
+
+    @staticmethod
+    def preallocate(writer: Any, state: TrainState) -> int:
+        """Every free slot's owned copy of this rank's share of the sharded state (what :meth:`stage` copies into),
+        allocated and its pages faulted in; returns their bytes. DCP's state dicts are built, as a save builds them:
+        every rank calls it."""
+        dcp_state = sharded_state(state)[0]
+        live = {t.untyped_storage().data_ptr() for t in _tensors(dcp_state)}
+        total = 0
+        for buffers in writer.free_buffers():
+            owned = _create_cpu_state_dict(dcp_state, pin_memory=torch.cuda.is_available())
+            for tensor in _tensors(owned):
+                if tensor.untyped_storage().data_ptr() in live:  # torch keeps a 0-d DTensor as it is: the live one
+                    continue
+                if tensor.numel() and tensor.is_contiguous():
+                    tensor.view(-1).view(torch.uint8).fill_(0)  # every page written once: faulted in
+                total += tensor.nbytes
+            buffers.sharded = owned
+        return total
 
     @staticmethod
     def stage(pending: DistPending, buffers: Any) -> None:
@@ -256,7 +275,8 @@ class Session:
 
     # restoring -------------------------------------------------------------------------------------------
     def restore(self, manager: Any, state: TrainState, generation: str | None, allow_changes: Iterable[str],
-                statistical_cuda: bool) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+                statistical_cuda: bool, in_place: bool | None = None
+                ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
         if self.tier is not None:
             from . import tierload, tiertimes
 
@@ -269,10 +289,22 @@ class Session:
                                  sum(info.sources.values()))
             return info, rejected
         return load.restore(state, self.fg, manager.store, manager.key, generation=generation,
-                            allow_changes=allow_changes, statistical_cuda=statistical_cuda)
+                            allow_changes=allow_changes, statistical_cuda=statistical_cuda,
+                            one_pass=in_place is not False)
 
     def barrier(self, phase: str) -> None:
         self.fg.barrier(phase)
 
 
 __all__ = ["CheckpointFailed", "DistPending", "Ranks", "Session", "initialized"]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor leaf of a nested state dict (DTensors by their local shard)."""
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    if isinstance(tree, torch.Tensor):
+        return [tree.to_local() if hasattr(tree, "to_local") else tree]
+    return []

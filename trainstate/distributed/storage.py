@@ -48,7 +48,9 @@ from torch.futures import Future
 
 from ..errors import CorruptGeneration, TrainStateError
 from ..format import tensorfile
+from ..format.digest import CHUNK_BYTES
 from ..format.manifest import FileRecord
+from ..storage import chunked
 
 DCP_METADATA = "dcp-metadata.json"
 _FORMAT = "trainstate-dcp-metadata"
@@ -226,10 +228,24 @@ class Writer(StorageWriter):
 
 # reading -----------------------------------------------------------------------------------------------
 class Reader(StorageReader):
-    """Reads DCP items from a verified generation's shard files, through ``store`` (files held open)."""
+    """Reads DCP items from a generation's shard files, through ``store`` (files held open).
 
-    def __init__(self, store: Any, generation: str, metadata: Metadata, sizes: dict[str, int]):
+    With ``manifest`` (a local generation whose shards carry chunk digests), the
+    shards are verified while they are read, in one pass: every 4 MiB chunk is
+    digested and compared with the manifest before any of its bytes reaches a
+    tensor (:mod:`trainstate.storage.chunked`). A file this rank loads whole,
+    each entry into a live tensor of its shape, is read straight into those
+    tensors on every core; any other is read entry by entry from verified
+    chunks into fresh tensors, then copied. A chunk that does not match raises
+    :class:`CorruptGeneration`; ``progress.live_changed`` then says whether live
+    tensors already hold verified bytes of it. Without ``manifest`` the bytes
+    were verified before (fetched from an object store or from peers).
+    """
+
+    def __init__(self, store: Any, generation: str, metadata: Metadata, sizes: dict[str, int],
+                 manifest: Any = None, progress: Any = None):
         self.store, self.generation, self.metadata, self.sizes = store, generation, metadata, sizes
+        self.manifest, self.progress = manifest, progress
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -255,6 +271,10 @@ class Reader(StorageReader):
             by_file.setdefault(info["file"], {}).setdefault(info["entry"], []).append(request)
         for file, entries in by_file.items():
             where = f"{self.generation}/{file}"
+            record = self.manifest.file(file) if self.manifest is not None else None
+            if record is not None and record.chunks:
+                self._read_verified(file, record, entries, planner, where)
+                continue
             with self.store.open(self.generation, file) as stream:
                 layout = tensorfile.parse_header(stream, self.sizes[file], where)
                 index = {e.name: e for e in layout.entries}
@@ -267,6 +287,42 @@ class Reader(StorageReader):
         future: Future = Future()
         future.set_result(None)
         return future
+
+    def _read_verified(self, file: str, record: FileRecord, entries: dict[str, list], planner: Any,
+                       where: str) -> None:
+        """One shard file, each chunk verified before its bytes are used (see the class docstring)."""
+        algorithm = self.manifest.digest_algorithm
+        with self.store.open(self.generation, file) as stream:
+            layout = chunked._held_header(self.store, stream, self.manifest, file)
+        index = {e.name: e for e in layout.entries}
+        missing = sorted(set(entries) - set(index))
+        if missing:
+            raise CorruptGeneration(where, f"has no entry {missing[0]!r:.80}")
+        into = _whole_targets(index, entries, planner) if len(entries) == len(index) else None
+        if into is not None:  # the whole file, entry by entry into live tensors: read once, on every core
+            tensors: dict[str, torch.Tensor] = {}
+            chunked.read_file(self.store, self.manifest, file, set(entries), tensors, into=into,
+                              progress=self.progress)
+            for name, (request,) in entries.items():
+                if tensors[name] is into[name]:
+                    planner.commit_tensor(request, into[name])
+                else:  # did not fit (a non-contiguous target, say): landed in a fresh tensor
+                    self._deliver(request, tensors[name], planner, where)
+            return
+        seen: dict[int, bytes] = {}  # verified chunks, kept only while an entry still needs them
+        with self.store.open(self.generation, file) as stream:
+            for name in sorted(entries, key=lambda n: index[n].begin):
+                entry = index[name]
+                begin, end = layout.data_start + entry.begin, layout.data_start + entry.end
+                for old in [i for i in seen if i < begin // CHUNK_BYTES]:
+                    del seen[old]
+                data = chunked.verified_range(stream, record, begin, end, where, algorithm, seen) if end > begin \
+                    else b""
+                raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0,
+                                                                                                   dtype=torch.uint8)
+                tensor = raw.view(entry.dtype).reshape(entry.shape)
+                for request in entries[name]:
+                    self._deliver(request, tensor, planner, where)
 
     @staticmethod
     def _deliver(request: Any, tensor: torch.Tensor, planner: Any, where: str) -> None:
@@ -284,3 +340,16 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def _whole_targets(index: dict[str, Any], entries: dict[str, list], planner: Any) -> dict[str, torch.Tensor] | None:
+    """Each entry's live destination, when every entry is read whole by exactly one tensor request; else None."""
+    into = {}
+    for name, requests in entries.items():
+        if len(requests) != 1 or requests[0].type == LoadItemType.BYTE_IO:
+            return None
+        request, entry = requests[0], index[name]
+        if any(requests[0].storage_offsets) or tuple(request.lengths) != tuple(entry.shape):
+            return None
+        into[name] = planner.resolve_tensor(request).detach()
+    return into
