@@ -361,12 +361,14 @@ class Publisher:
         self.store.write_pointer(RUN, run_to_bytes(run, self.key))
         return run
 
-    def catch_up(self, restored: str) -> None:
+    def catch_up(self, restored: str, rejected: tuple = ()) -> None:
         """A restore passed over a valid ``latest`` for ``restored``, a newer complete generation (a crash between a
         commit and the pointer move, or an unsigned pointer copied back): finish that publication, so that ``latest``
         names what a restart resumes from even when no save follows (a run killed in its final save, then
         restored at its last update, saves nothing more). Best effort: a directory that cannot be written
         (read-only, or a pointer that will not move) keeps its pointer, and restore rolls forward again."""
+        if not any(r.generation == POINTER for r in rejected):
+            return  # the restore followed latest (it passed over latest only to roll forward, or latest was bad)
         pointer = read_pointed(self.store, POINTER, self.key)
         if pointer is None or generation_order(pointer.generation) >= generation_order(restored):
             return  # a missing or garbage pointer stays as evidence (verify reports it) until the next save

@@ -79,20 +79,20 @@ class Lifecycle:
     # what the plan needs -----------------------------------------------------
     def anchors(self) -> dict[str, str | None]:
         """For each kind, the generation its pointer names, if that generation verifies (structure)."""
-        out: dict[str, str | None] = {}
-        for kind, pointer_name in (("full", POINTER), ("weights", WEIGHTS_POINTER)):
-            out[kind] = None
-            try:
-                data = self.store.read_pointer(pointer_name)
-                if data is None:
-                    continue
-                pointer = parse_pointer(data, pointer_name, self.key)
-                verify_generation(self.store, pointer.generation, pointer, content=False, key=self.key)
-            except CorruptGeneration:
-                continue
-            if pointer.kind == kind:
-                out[kind] = pointer.generation
-        return out
+        return {kind: None if found is None else found.generation
+                for kind, found in ((k, self._anchored(k)) for k in ("full", "weights"))}
+
+    def _anchored(self, kind: str) -> Manifest | None:
+        """The manifest of the generation the pointer of ``kind`` names, if it verifies (structure)."""
+        try:
+            data = self.store.read_pointer(POINTER if kind == "full" else WEIGHTS_POINTER)
+            if data is None:
+                return None
+            pointer = parse_pointer(data, POINTER if kind == "full" else WEIGHTS_POINTER, self.key)
+            verified = verify_generation(self.store, pointer.generation, pointer, content=False, key=self.key)
+        except CorruptGeneration:
+            return None
+        return verified.manifest if pointer.kind == kind else None
 
     def newest_full(self) -> Manifest | None:
         """The manifest of the generation a restore starts from, structurally verified (no tensor data read).
@@ -101,9 +101,10 @@ class Lifecycle:
         generation that does: what restore would pick, short of re-hashing
         every byte.
         """
-        full = self.anchors().get("full")
-        names = ([full] if full else []) + [n for n in self.store.generations()
-                                            if parse_generation_name(n)[1] == "full" and n != full]
+        anchored = self._anchored("full")  # verified once: the pointer's generation is not read again below
+        if anchored is not None:
+            return anchored
+        names = [n for n in self.store.generations() if parse_generation_name(n)[1] == "full"]
         for name in names:
             try:
                 return verify_generation(self.store, name, content=False, key=self.key).manifest
