@@ -72,14 +72,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 if "WORLD_SIZE" not in os.environ and __name__ == "__main__":  # not under torchrun: launch it
-    _nproc = "2"
-    for _i, _arg in enumerate(sys.argv):
-        if _arg == "--nproc" and _i + 1 < len(sys.argv):
-            _nproc = sys.argv[_i + 1]
+    _nproc, _rest, _skip = "2", [], False
+    for _i, _arg in enumerate(sys.argv[1:], 1):  # --nproc is torchrun's, not the ranks' (torchrun would read it)
+        if _skip:
+            _skip = False
+        elif _arg == "--nproc" and _i + 1 < len(sys.argv):
+            _nproc, _skip = sys.argv[_i + 1], True
         elif _arg.startswith("--nproc="):
             _nproc = _arg.split("=", 1)[1]
+        else:
+            _rest.append(_arg)
     os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              f"--nproc_per_node={_nproc}", os.path.abspath(__file__), *sys.argv[1:]])
+                              f"--nproc_per_node={_nproc}", os.path.abspath(__file__), *_rest])
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

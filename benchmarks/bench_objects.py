@@ -96,7 +96,7 @@ import trainstate as ts  # noqa: E402
 from bench_suite import build, parse_size, rotated, size_label, tidy  # noqa: E402
 from objectservers import Server, start_moto, start_seaweedfs  # noqa: E402
 from trainstate import restore as restore_mod  # noqa: E402
-from trainstate.format.digest import digest_stream  # noqa: E402
+from trainstate.format.digest import digest_bytes, digest_stream  # noqa: E402
 from trainstate.format.manifest import MANIFEST  # noqa: E402
 from trainstate.lifecycle.mirror import copy_generation  # noqa: E402
 from trainstate.storage import objects as objects_mod  # noqa: E402
@@ -456,9 +456,11 @@ def main() -> int:
         payload[MANIFEST] = (gen_dir / MANIFEST).read_bytes()  # last, as trainstate writes it
         total = sum(len(v) for v in payload.values())
         t = time.perf_counter()
-        digest = blake3.blake3(payload["tensors.safetensors"]).hexdigest()
+        blake3.blake3(payload["tensors.safetensors"]).hexdigest()
         blake3_s = time.perf_counter() - t
-        recorded = {f["name"]: f["digest"] for f in json.loads(payload[MANIFEST])["files"]}
+        manifest = json.loads(payload[MANIFEST])
+        digest = digest_bytes(manifest["digest_algorithm"], payload["tensors.safetensors"])  # format 3: chunked
+        recorded = {f["name"]: f["digest"] for f in manifest["files"]}
         if recorded.get("tensors.safetensors") != digest:
             raise RuntimeError("the raw baselines' bytes are not the generation's tensor file")
         say(f"state {bench.nbytes():,} tensor bytes, hidden {bench.hidden}; generation files "
