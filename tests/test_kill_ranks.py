@@ -171,6 +171,9 @@ def test_kill_launch_takes_down_processes_in_other_sessions(tmp_path):
     try:
         child = int(proc.stdout.readline())
         assert os.getpgid(child) != os.getpgid(proc.pid)
+        deadline = time.monotonic() + 10  # a child between fork and exec may not show its environment yet
+        while sorted(marked_processes(marker)) != sorted([proc.pid, child]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sorted(marked_processes(marker)) == sorted([proc.pid, child])
         assert kill_launch(proc, marker) == 2
         assert proc.wait(10) == -signal.SIGKILL

@@ -176,20 +176,26 @@ def test_one_step_behind_rolls_forward_and_says_so(tmp_path, caplog, signed):
     assert [r.generation for r in info.rejected] == ["latest"] and "rolling forward" in info.rejected[0].reason
     assert "rolling forward to gen-000000000002" in caplog.text
     assert_same(full_state(got), full_state(state))
-    # the interrupted publication is completed: latest names what was restored, even though nothing is saved
-    # after it (found by the mirror kill drill: a run killed in its final save ended with latest one step behind)
-    assert ts.CheckpointManager(tmp_path, signing_key=key).latest() == "gen-000000000002"
+    # restore writes nothing (latest still names gen 1); a save at the restored update writes no generation but
+    # completes the cut publication: latest names gen 2 (found by the mirror kill drill: a run killed in its final
+    # save, restored at its final update and saving again, ended with latest one step behind)
+    assert ts.CheckpointManager(tmp_path, signing_key=key).latest() == "gen-000000000001"
+    with ts.CheckpointManager(tmp_path, signing_key=key) as ckpt:
+        info = ckpt.save(got)
+        assert info.name == "gen-000000000002" and ckpt.latest() == "gen-000000000002"
+        assert sorted(p.name for p in tmp_path.glob("gen-*")) == ["gen-000000000001", "gen-000000000002"]
     with ts.CheckpointManager(tmp_path, signing_key=key) as ckpt:
         again = ckpt.restore(build(seed=9))
     assert again.generation.name == "gen-000000000002" and again.rejected == ()
 
 
-def test_an_explicit_older_generation_does_not_move_latest(tmp_path):
-    """Only a restore that rolled forward moves latest: choosing an older generation deliberately leaves it."""
-    _run(tmp_path, 3)
+def test_a_no_op_save_where_latest_already_names_it_writes_nothing(tmp_path):
+    state = _run(tmp_path, 2)
+    pointer = (tmp_path / "latest").stat()
     with ts.CheckpointManager(tmp_path) as ckpt:
-        assert ckpt.restore(build(seed=9), generation="gen-000000000001").generation.name == "gen-000000000001"
-        assert ckpt.latest() == "gen-000000000003"
+        assert ckpt.save(state).name == "gen-000000000002"
+    after = (tmp_path / "latest").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (pointer.st_ino, pointer.st_mtime_ns)
 
 
 def test_one_step_ahead_but_damaged_falls_back_to_the_pointer(tmp_path):
@@ -203,7 +209,6 @@ def test_one_step_ahead_but_damaged_falls_back_to_the_pointer(tmp_path):
     tensors.write_bytes(bytes(data))
     with ts.CheckpointManager(tmp_path, signing_key=key) as ckpt:
         info = ckpt.restore(build(seed=9))
-        assert ckpt.latest() == "gen-000000000001"  # and the pointer is left where it was
     assert info.generation.name == "gen-000000000001"
     assert "gen-000000000002" in [r.generation for r in info.rejected]
 

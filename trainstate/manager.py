@@ -406,8 +406,6 @@ class CheckpointManager:
         except NoValidGeneration as exc:
             self.last_rejections = tuple(exc.rejections)
             raise
-        if info is not None and generation is None and (self._session is None or self._session.moves_latest):
-            self._publisher.catch_up(info.generation.name, info.rejected)  # latest moves if it was rolled past
         if self._mirror is not None and info is not None:
             self._mirror.restored(info.generation.name)  # uploaded, if an earlier process stopped before it was
         if info is not None:  # rank 0's verdict on every rank: they stop or go on together

@@ -37,7 +37,7 @@ from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, Inv
 from .format import tensorfile
 from .format.digest import new_hasher
 from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_name,
-                              generation_name, generation_order, parse_run, run_to_bytes)
+                              generation_name, parse_run, run_to_bytes)
 from .format.signing import SigningKey
 from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, rehearse
@@ -199,6 +199,8 @@ class Publisher:
         self.finish_interrupted_replacements()
         existing = self.make_room(p)
         if isinstance(existing, GenerationInfo):
+            if p.kind == "full":
+                self.point_if_behind(existing.name)
             return existing
         superseded = existing  # the old generation of this name, set aside until the pointer has moved
         try:
@@ -361,26 +363,20 @@ class Publisher:
         self.store.write_pointer(RUN, run_to_bytes(run, self.key))
         return run
 
-    def catch_up(self, restored: str, rejected: tuple = ()) -> None:
-        """A restore passed over a valid ``latest`` for ``restored``, a newer complete generation (a crash between a
-        commit and the pointer move, or an unsigned pointer copied back): finish that publication, so that ``latest``
-        names what a restart resumes from even when no save follows (a run killed in its final save, then
-        restored at its last update, saves nothing more). Best effort: a directory that cannot be written
-        (read-only, or a pointer that will not move) keeps its pointer, and restore rolls forward again."""
-        if not any(r.generation == POINTER for r in rejected):
-            return  # the restore followed latest (it passed over latest only to roll forward, or latest was bad)
-        pointer = read_pointed(self.store, POINTER, self.key)
-        if pointer is None or generation_order(pointer.generation) >= generation_order(restored):
-            return  # a missing or garbage pointer stays as evidence (verify reports it) until the next save
+    def point_if_behind(self, name: str) -> None:
+        """A save found ``name`` already holding this state (a no-op save): make ``latest`` name it, as publishing
+        it would have, if it names another generation. That completes a publication a crash cut between its
+        commit and the pointer move (restore rolled forward to it, and a run killed in its final save then saves
+        nothing new); a ``latest`` that already names it is not written."""
         try:
-            self.store.lock()
-            point_at(self.store, verify_generation(self.store, restored, content=False, key=self.key), self.key)
-        except (OSError, TrainStateError) as exc:
-            log.warning("restored %s, but latest could not be moved to it (%s); restore rolls forward again", restored,
-                        exc)
+            pointer = read_pointed(self.store, POINTER, self.key)
+        except (OSError, TrainStateError):
+            pointer = None  # unreadable (a symlink, a directory): replaced as a publication replaces it
+        if pointer is not None and pointer.generation == name:
             return
-        self.published = restored
-        log.info("latest now names %s: the publication the restore rolled forward to is complete", restored)
+        point_at(self.store, verify_generation(self.store, name, content=False, key=self.key), self.key)
+        self.published = name
+        log.info("latest now names %s (it named %s)", name, pointer.generation if pointer else "nothing readable")
 
     def committed_name(self, kind: str) -> str | None:
         """The generation the pointer of ``kind`` names (unverified), if the pointer parses."""

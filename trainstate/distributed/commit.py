@@ -129,6 +129,8 @@ def _rank0_begin(pending: Pending, store: Any, publisher: Publisher, total_bytes
     publisher.finish_interrupted_replacements()
     existing = publisher.make_room(pending)
     if isinstance(existing, GenerationInfo):
+        if pending.kind == "full":
+            publisher.point_if_behind(existing.name)  # a crash cut its publication before the pointer moved
         return {"noop": dataclasses.asdict(existing)}, None
     for leftover in store.clean_leftovers():
         log.info("removed leftover %s from an interrupted save", leftover)
@@ -154,18 +156,24 @@ def _sharded_bytes(value: Any) -> int:
 
 # 2. stage ---------------------------------------------------------------------------------------------------
 def _stage(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any) -> list[FileRecord]:
+    records, error = stage_records(snap, ranks.rank, staging)
+    ranks.check("stage", error)
+    return records
+
+
+def stage_records(snap: RankSnapshot, rank: int, staging: Any) -> tuple[list[FileRecord], BaseException | None]:
+    """This rank's records (rank 0's also the global files) into ``staging``; the records, and the failure if any
+    (the caller reports it to every rank)."""
     records: list[FileRecord] = []
-    error: BaseException | None = None
     try:
-        records.append(_write_tensors(staging, rank_tensors(ranks.rank), snap.rank_tensors))
-        records.append(staging.write(rank_json(ranks.rank), [state_json(snap.rank_skeleton)]))
-        if ranks.rank == 0:
+        records.append(_write_tensors(staging, rank_tensors(rank), snap.rank_tensors))
+        records.append(staging.write(rank_json(rank), [state_json(snap.rank_skeleton)]))
+        if rank == 0:
             records.append(staging.write(STATE, [state_json(snap.global_skeleton)]))
             records.append(_write_tensors(staging, TENSORS, snap.global_tensors))
     except (TrainStateError, OSError, ValueError, RuntimeError) as exc:
-        error = exc
-    ranks.check("stage", error)
-    return records
+        return records, exc
+    return records, None
 
 
 def _write_tensors(staging: Any, name: str, tensors: dict) -> FileRecord:

@@ -82,11 +82,6 @@ class Session:
         return self.rank == 0 if self.tier is None else self.tier.topology.is_leader
 
     @property
-    def moves_latest(self) -> bool:
-        """Whether this rank moves the shared ``latest`` after a restore rolled forward: rank 0, without tiers."""
-        return self.rank == 0 and self.tier is None
-
-    @property
     def rank(self) -> int:
         return self.fg.rank
 

@@ -12,23 +12,26 @@ Every rank runs :func:`publish` on the checkpoint group; each node's leader
 2. **stage, write**: each rank writes its records and DCP shard into its
    node's staging; rank 0 also the global files and, inside DCP's finish,
    the manifest (every rank's file records) into node 0's staging.
-3. **complete**: rank 0 hands the manifest and the global files to every
-   other leader, which writes them (digested as written, compared with the
-   manifest's records), the manifest last. Every leader then commits its
-   staging: fsync, rename, fsync the parent.
+3. **complete**: rank 0 hands the manifest and the global files, in one
+   broadcast, to every other leader, which writes them (digested as
+   written, compared with the manifest's records), the manifest last. Every
+   leader then commits its staging: fsync, rename, fsync the parent.
 4. **verify**: each leader re-reads its committed manifest and checks the
-   files its node must hold; all agree, else every leader removes its
-   holding (nothing names it).
+   files its node must hold; one round says whether every node committed
+   and verified, else every leader removes its holding (nothing names it).
 5. **point**: each leader moves its node's ``latest``. A node's ``latest``
    therefore names only a generation every node had committed: the local
    tier as a whole can serve it.
+
+Each step ends in one round: a fixed-size ``all_gather`` of every rank's
+values and errors together (:func:`.tiers.exchange`).
 
 ``save`` returns here (``wait_replicas=False``, the default): this rank's
 shard is durable on its own node and the local tier's commit holds.
 
 **Replicated tier** (:func:`replicate`; in the background unless
-``wait_replicas=True``): each rank sends its files, point to point, to the
-leader of every node that keeps a replica of its node (:func:`.tiers.placement`);
+``wait_replicas=True``): each rank sends its files, point to point, as one
+stream, to the leader of every node that keeps a replica of its node (:func:`.tiers.placement`);
 the receiver writes them into a staging directory of its ``replicas`` store,
 digesting as it writes and comparing with the manifest, then commits. Once
 every node has committed its replicas, every leader moves ``replicas/latest``:
@@ -53,16 +56,16 @@ import torch.distributed.checkpoint as dcp
 from ..errors import CheckpointFailed, CorruptGeneration, ExistingRun, InsufficientSpace, TrainStateError
 from ..format.digest import digest_bytes
 from ..format.manifest import (MANIFEST, POINTER, RUN, Manifest, Pointer, generation_name, generation_order,
-                               parse_generation_name, parse_run, run_to_bytes)
+                               parse_generation_name, parse_manifest, parse_run, run_to_bytes)
 from ..publish import Pending
 from ..records import GenerationInfo
 from ..storage.verify import Verified, read_manifest, read_pointed
 from .capture import RankSnapshot
-from .commit import _sharded_bytes, _stage, build_manifest
+from .commit import _sharded_bytes, build_manifest, stage_records
 from .group import Ranks, _global_rank, collective
 from .planner import SavePlanner
-from .storage import Writer
-from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, placement, rank_files
+from .storage import DCP_METADATA, Writer
+from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, exchange, placement, rank_files
 
 log = logging.getLogger("trainstate")
 PIECE = 16 << 20  # one message between ranks while replicating
@@ -71,14 +74,13 @@ PIECE = 16 << 20  # one message between ranks while replicating
 def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publisher: Any,
             key: Any) -> tuple[GenerationInfo, bytes]:
     """Publish one generation into the local tier; returns (on every rank) its info and the manifest's bytes."""
-    staging = _begin(snap, pending, ranks, tier, publisher, key)
-    committed = False
+    staging, joined = _begin(snap, pending, ranks, tier, publisher, key)
+    committed: list[bool] = []  # set by _complete once this leader's holding is committed
     try:
-        records = _stage(snap, pending, ranks, staging)
-        manifest_bytes = _write(snap, pending, ranks, staging, records, key)
-        manifest_bytes = _complete(pending, ranks, tier, staging, manifest_bytes, key)
-        committed = True
-        verified = _verify(pending.name, ranks, tier, manifest_bytes, key)
+        records = _stage(snap, ranks, staging, joined)
+        written = _write(snap, pending, ranks, staging, records, key)
+        manifest, manifest_bytes, error = _complete(pending, ranks, tier, staging, written, key, committed)
+        verified = _verify(manifest, manifest_bytes, ranks, tier, key, error)
         _point(verified, ranks, tier, key)
     except BaseException:
         if tier.topology.is_leader:
@@ -90,12 +92,13 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publ
 
 
 # 1. begin -------------------------------------------------------------------------------------------------
-def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publisher: Any, key: Any) -> Any:
+def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publisher: Any,
+           key: Any) -> tuple[Any, BaseException | None]:
+    """Two rounds: every rank's name and size with each leader's report (its lock, leftovers, holdings, run, free
+    space) and rank 0's lineage; then each leader's staging directory. A non-leader joins its leader's staging
+    after the second round; its error (if any) is returned, and reported in the stage round."""
     size = sum(t.nbytes for t in snap.rank_tensors.values()) + sum(t.nbytes for t in snap.global_tensors.values())
     size += sum(_sharded_bytes(v) for v in snap.dcp.values())
-    names = ranks.all_gather([pending.name, size], "begin")
-    if len({n for n, _ in names}) != 1:
-        raise CheckpointFailed("begin", {r: f"saves {n}" for r, (n, _) in enumerate(names)})
     topo = tier.topology
     report: dict[str, Any] = {}
     error = None
@@ -109,45 +112,42 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
                       "run": _recorded_run(tier, key), "free": tier.own.free_bytes()}
         except (TrainStateError, OSError) as exc:
             error = exc
-    reports = ranks.all_gather(report, "begin")
-    ranks.check("begin", error)
+    lineage = pending.extra["lineage"] if ranks.rank == 0 else None
+    every = exchange(ranks, {"name": pending.name, "size": size, "report": report, "lineage": lineage}, error,
+                     "begin")
+    if len({e["name"] for e in every}) != 1:
+        raise CheckpointFailed("begin", {r: f"saves {e['name']}" for r, e in enumerate(every)})
+    reports = [e["report"] for e in every]
     run = next((r["run"] for r in reports if r.get("run")), None)
     if run is None:  # a new run: rank 0 names it, every node records it
         run = ranks.broadcast(publisher.run_identity() if ranks.rank == 0 else None, "begin")
     name = _fresh_name(pending.name, [n for r in reports for n in r.get("names", ())])
-    error = None
+    error, staging = None, None
     if topo.is_leader:
         try:
-            _check_space(tier, name, [s for _, s in names], reports[topo.rank]["free"])
+            _check_space(tier, name, [e["size"] for e in every], reports[topo.rank]["free"])
             _adopt_run(tier, run, key, bool(reports[topo.rank]["names"]))
             staging = tier.own.begin(name)
         except (TrainStateError, OSError) as exc:
             error = exc
-    shared = ranks.all_gather(staging.name if topo.is_leader and not error else None, "begin")
     try:
-        ranks.check("begin", error)
+        shared = exchange(ranks, staging.name if staging is not None else None, error, "begin")
     except BaseException:
-        if topo.is_leader and error is None:
+        if staging is not None:
             staging.abort()  # another node refused (no space, another run): nothing of this save stays
         raise
     if name != pending.name:
         publisher.was_published_as(pending.prepared, name)
         pending.name = name
     pending.extra["run"] = run
-    pending.extra["lineage"] = ranks.broadcast(pending.extra["lineage"], "begin")
-    error = None
+    pending.extra["lineage"] = every[0]["lineage"]
+    joined = None
     if not topo.is_leader:  # the node's ranks write into their leader's staging directory
         try:
             staging = tier.own.join(name, shared[topo.leader(topo.node)])
         except (ValueError, OSError) as exc:
-            error = exc
-    try:
-        ranks.check("begin", error)
-    except BaseException:
-        if topo.is_leader:
-            staging.abort()
-        raise
-    return staging
+            joined = exc
+    return staging, joined
 
 
 def _fresh_name(name: str, existing: list[str]) -> str:
@@ -190,78 +190,95 @@ def _check_space(tier: Tier, name: str, sizes: list[int], free: int | None) -> N
 
 
 # 2. stage, write ---------------------------------------------------------------------------------------------
+def _stage(snap: RankSnapshot, ranks: Ranks, staging: Any, joined: BaseException | None) -> list:
+    """Each rank's records (rank 0's also the global files) into its node's staging; one round reports every rank's
+    outcome, a failed join included."""
+    records, error = ([], joined) if joined is not None else stage_records(snap, ranks.rank, staging)
+    exchange(ranks, None, error, "stage")
+    return records
+
+
 def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, records: list, key: Any) -> bytes:
-    """DCP writes the shards into each node's staging; rank 0 writes the manifest into node 0's (no commit yet)."""
+    """DCP writes the shards into each node's staging; rank 0 writes the manifest into node 0's (no commit yet)
+    and returns what every other leader needs: the manifest and the global files, in one buffer."""
     written: dict[str, bytes] = {}
 
     def manifest(metadata: bytes, every_file: list) -> None:
         built = build_manifest(snap, pending, ranks.world_size, staging._store.digest_algorithm, every_file)
         written["manifest"] = built.to_bytes(key)
-        staging.write(MANIFEST, [written["manifest"]])
+        written[DCP_METADATA] = metadata  # in memory already: not read back from the staging
+        written["globals"] = [n for n in GLOBAL_FILES if any(f.name == n for f in every_file)]
+        staging.write(MANIFEST, [written["manifest"]], stable=True)
 
     writer = Writer(staging, ranks.rank, ranks.world_size, records, manifest)
     with collective("write", ranks):
         dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
-    return written.get("manifest", b"")
-
-
-# 3. complete ----------------------------------------------------------------------------------------------------
-def _complete(pending: Pending, ranks: Ranks, tier: Tier, staging: Any, manifest_bytes: bytes, key: Any) -> bytes:
-    topo = tier.topology
-    manifest_bytes = broadcast_bytes(ranks, manifest_bytes, 0, "complete")
-    manifest = read_manifest_bytes(manifest_bytes, pending.name, key)
-    error = None
-    for name in GLOBAL_FILES:
-        if not any(f.name == name for f in manifest.files):
-            continue
-        data = None
-        if ranks.rank == 0:
+    if ranks.rank != 0:
+        return b""
+    parts = [written["manifest"]]
+    for name in written["globals"]:
+        if name in written:
+            parts.append(written[name])
+        else:
             with open(staging.path / name, "rb") as stream:
-                data = stream.read()
-        data = broadcast_bytes(ranks, data, 0, "complete")
-        if topo.is_leader and topo.node != 0 and error is None:
-            try:
-                _write_checked(staging, manifest, name, [data])
-            except (TrainStateError, OSError) as exc:
-                error = exc
-    if topo.is_leader and error is None:
-        try:
-            if topo.node != 0:
-                staging.write(MANIFEST, [manifest_bytes])
-            staging.commit()
-        except (TrainStateError, OSError) as exc:
-            error = exc
-    ranks.check("commit", error)
-    return manifest_bytes
+                parts.append(stream.read())
+    return len(parts[0]).to_bytes(8, "big") + b"".join(parts)
 
 
-def read_manifest_bytes(data: bytes, name: str, key: Any) -> Manifest:
-    from ..format.manifest import parse_manifest
-
-    return parse_manifest(data, f"{name}/{MANIFEST}", key)
-
-
-def _write_checked(staging: Any, manifest: Manifest, name: str, chunks: Any) -> None:
-    """Write a file another rank wrote first, digesting it as written; it must match the manifest's record."""
-    record = manifest.file(name)
-    got = staging.write(name, chunks, algorithm=manifest.digest_algorithm, size_hint=record.size)
-    if (got.size, got.digest, tuple(got.chunks)) != (record.size, record.digest, tuple(record.chunks)):
-        raise CorruptGeneration(f"{manifest.generation}/{name}", "arrived with other bytes than the manifest records")
-
-
-# 4. verify, 5. point ------------------------------------------------------------------------------------------
-def _verify(name: str, ranks: Ranks, tier: Tier, manifest_bytes: bytes, key: Any) -> Verified:
+# 3. complete, 4. verify -----------------------------------------------------------------------------------------
+def _complete(pending: Pending, ranks: Ranks, tier: Tier, staging: Any, written: bytes, key: Any,
+              committed: list) -> tuple[Manifest | None, bytes, BaseException | None]:
+    """Rank 0's manifest and global files reach every leader in one broadcast; each leader writes them (digested
+    as written, against the manifest's records) and commits its staging (fsync, rename, fsync the parent). No
+    round here: :func:`_verify`'s reports this step's outcome too."""
     topo = tier.topology
-    manifest = read_manifest_bytes(manifest_bytes, name, key)
-    verified = Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
-    error = None
-    if topo.is_leader:
+    payload = memoryview(broadcast_bytes(ranks, written, 0, "complete"))
+    manifest, manifest_bytes, error = None, b"", None
+    try:
+        manifest_bytes = bytes(payload[8:8 + int.from_bytes(payload[:8], "big")])
+        manifest = read_manifest_bytes(manifest_bytes, pending.name, key)
+        if topo.is_leader:
+            if topo.node != 0:
+                offset = 8 + len(manifest_bytes)
+                for name in node_files(manifest, []):  # the global files, in the order rank 0 packed them
+                    size = manifest.file(name).size
+                    if offset + size > len(payload):
+                        raise CorruptGeneration(f"{pending.name}/{name}", "arrived shorter than its record")
+                    _write_checked(staging, manifest, name, [payload[offset:offset + size]])
+                    offset += size
+                staging.write(MANIFEST, [manifest_bytes], stable=True)
+            staging.commit()
+            committed.append(True)
+    except (TrainStateError, OSError) as exc:
+        error = exc
+    return manifest, manifest_bytes, error
+
+
+def _verify(manifest: Manifest | None, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: Any,
+            error: BaseException | None) -> Verified:
+    """Each leader checks its committed holding: the manifest re-read, each file its node must hold present at its
+    recorded size. One round then says whether every node committed and verified its holding."""
+    topo = tier.topology
+    if error is None and topo.is_leader:
         try:
             check_holding(tier.own, manifest, manifest_bytes, node_files(manifest, topo.ranks_on(topo.node)), key)
         except (TrainStateError, OSError) as exc:
             error = exc
-    ranks.check("verify", error)
-    return verified
+    exchange(ranks, None, error, "commit")
+    return Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
+
+
+def read_manifest_bytes(data: bytes, name: str, key: Any) -> Manifest:
+    return parse_manifest(data, f"{name}/{MANIFEST}", key)
+
+
+def _write_checked(staging: Any, manifest: Manifest, name: str, chunks: Any) -> None:
+    """Write a file another rank wrote first, digesting it as written; it must match the manifest's record. The
+    chunks are buffers nobody changes (received, or handed over): digested as written, not read back."""
+    record = manifest.file(name)
+    got = staging.write(name, chunks, algorithm=manifest.digest_algorithm, size_hint=record.size, stable=True)
+    if (got.size, got.digest, tuple(got.chunks)) != (record.size, record.digest, tuple(record.chunks)):
+        raise CorruptGeneration(f"{manifest.generation}/{name}", "arrived with other bytes than the manifest records")
 
 
 def node_files(manifest: Manifest, ranks_on_node: list[int]) -> list[str]:
@@ -282,13 +299,13 @@ def check_holding(store: Any, manifest: Manifest, manifest_bytes: bytes, files: 
                                     "missing" if name not in present else "has the wrong size")
 
 
+# 5. point --------------------------------------------------------------------------------------------------------
 def _point(verified: Verified, ranks: Ranks, tier: Tier, key: Any, pointer: str = POINTER,
            store: Any = None) -> None:
     topo = tier.topology
     store = store if store is not None else tier.own
     m = verified.manifest
-    error = None
-    previous = None
+    error, previous = None, None
     if topo.is_leader:
         try:
             previous = store.read_pointer(pointer)
@@ -297,7 +314,7 @@ def _point(verified: Verified, ranks: Ranks, tier: Tier, key: Any, pointer: str 
         except (TrainStateError, OSError) as exc:
             error = exc
     try:
-        ranks.check("publish", error)
+        exchange(ranks, None, error, "publish")
     except BaseException:
         if topo.is_leader and error is None and previous is not None:
             try:
@@ -327,19 +344,18 @@ def replicate(name: str, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: A
         try:
             staging = tier.replica.begin(name)
         except (TrainStateError, OSError) as exc:
-            error = exc
-    ranks.check("replicate", error)
+            error = exc  # still receives every byte (so no sender waits), writes nothing, reports it below
     try:
-        error = _transfer(manifest, ranks, tier, targets, staging)
+        error = _transfer(manifest, ranks, tier, targets, staging, error)
         if staging is not None and error is None:
             try:
-                staging.write(MANIFEST, [manifest_bytes])
+                staging.write(MANIFEST, [manifest_bytes], stable=True)
                 staging.commit()
                 check_holding(tier.replica, manifest, manifest_bytes,
                               [f for s in receives for r in topo.ranks_on(s) for f in rank_files(manifest, r)], key)
             except (TrainStateError, OSError) as exc:
                 error = exc
-        ranks.check("replicate", error)
+        exchange(ranks, None, error, "replicate")
     except BaseException:
         if staging is not None:
             staging.abort()
@@ -348,28 +364,28 @@ def replicate(name: str, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: A
     _point(verified, ranks, tier, key, POINTER, tier.replica)
 
 
-def _transfer(manifest: Manifest, ranks: Ranks, tier: Tier, targets: list[list[int]], staging: Any) -> Any:
-    """Every (file, target node) pair in one global order, point to point: no rank ever waits on a pair that its
-    partner has not reached (the earliest unfinished pair has both ends ready), so the order cannot deadlock."""
+def _transfer(manifest: Manifest, ranks: Ranks, tier: Tier, targets: list[list[int]], staging: Any,
+              error: BaseException | None) -> Any:
+    """Every (rank, target node) pair in one global order, point to point, a rank's files as one stream of
+    pieces: no rank ever waits on a pair that its partner has not reached (the earliest unfinished pair has
+    both ends ready), so the order cannot deadlock. Returns the first error on this rank (or ``error``)."""
     topo = tier.topology
-    error = None
     for source, nodes in enumerate(targets):
         for target in nodes:
             receiver = topo.leader(target)
             for rank in topo.ranks_on(source):
-                for file in rank_files(manifest, rank) if rank < len(manifest.ranks) else ():
-                    if topo.rank == rank:
-                        error = _send(tier.own, manifest, file, receiver, ranks) or error
-                    elif topo.rank == receiver:
-                        pieces = _receive(manifest, file, rank, ranks)
+                files = rank_files(manifest, rank) if rank < len(manifest.ranks) else []
+                if topo.rank == rank:
+                    error = _send(tier.own, manifest, files, receiver, ranks) or error
+                elif topo.rank == receiver:
+                    stream = _Stream(_receive(sum(manifest.file(f).size for f in files), rank, ranks))
+                    for file in files if error is None else ():
                         try:
-                            if error is not None:
-                                raise error  # a file before failed: receive the rest, write nothing more
-                            _write_checked(staging, manifest, file, pieces)
+                            _write_checked(staging, manifest, file, stream.take(manifest.file(file).size))
                         except (TrainStateError, OSError) as exc:
-                            error = error or exc
-                            for _ in pieces:  # the sender sends every piece: take them, or the order breaks
-                                pass
+                            error = exc  # a file failed: receive the rest, write nothing more
+                            break
+                    stream.drain()  # the sender sends every piece: take them, or the order breaks
     return error
 
 
@@ -377,22 +393,30 @@ def _pieces(size: int) -> list[int]:
     return [min(PIECE, size - offset) for offset in range(0, size, PIECE)] or []
 
 
-def _send(store: Any, manifest: Manifest, file: str, receiver: int, ranks: Ranks) -> BaseException | None:
-    """Every piece of ``file``, read from this node's holding. A read that fails still sends every piece (zeros:
-    the receiver's digest check refuses them), so the receiver never waits out the timeout; returns the error."""
+def _send(store: Any, manifest: Manifest, files: list[str], receiver: int, ranks: Ranks) -> BaseException | None:
+    """Every piece of ``files`` (read from this node's holding, one after another). A read that fails still sends
+    every piece (zeros: the receiver's digest check refuses them), so the receiver never waits out the timeout;
+    returns the error."""
     error: BaseException | None = None
-    stream = None
+    left = [(f, manifest.file(f).size) for f in files]
+    stream, remaining = None, 0
     try:
-        stream = store.open(manifest.generation, file)
-    except OSError as exc:
-        error = exc
-    try:
-        for length in _pieces(manifest.file(file).size):
+        for length in _pieces(sum(size for _, size in left)):
             buffer = bytearray(length)
-            if error is None:
+            view, filled = memoryview(buffer), 0
+            while filled < length and error is None:
                 try:
-                    stream.readinto(buffer)
-                except OSError as exc:
+                    if remaining == 0:
+                        if stream is not None:
+                            stream.close()
+                        file, remaining = left.pop(0)
+                        stream = store.open(manifest.generation, file)
+                        continue
+                    got = stream.readinto(view[filled:filled + min(remaining, length - filled)])
+                    if not got:
+                        raise CorruptGeneration(f"{manifest.generation}/{file}", "is shorter than its record")
+                    filled, remaining = filled + got, remaining - got
+                except (TrainStateError, OSError) as exc:
                     error = exc
             with collective("replicate", ranks):
                 dist.send(torch.frombuffer(buffer, dtype=torch.uint8), dst=_global_rank(ranks.group, receiver),
@@ -403,14 +427,32 @@ def _send(store: Any, manifest: Manifest, file: str, receiver: int, ranks: Ranks
     return error
 
 
-def _receive(manifest: Manifest, file: str, sender: int, ranks: Ranks) -> Any:
-    """The pieces of ``file`` as ``sender`` sends them; every piece is received even after a local write failed,
-    so the sender is never left waiting."""
-    for length in _pieces(manifest.file(file).size):
+def _receive(size: int, sender: int, ranks: Ranks) -> Any:
+    """The pieces of ``size`` bytes as ``sender`` sends them."""
+    for length in _pieces(size):
         buffer = torch.empty(length, dtype=torch.uint8)
         with collective("replicate", ranks):
             dist.recv(buffer, src=_global_rank(ranks.group, sender), group=ranks.group)
         yield memoryview(buffer.numpy())
+
+
+class _Stream:
+    """Received pieces as consecutive files: ``take(n)`` yields views of the next ``n`` bytes."""
+
+    def __init__(self, pieces: Any):
+        self.pieces, self.rest = iter(pieces), memoryview(b"")
+
+    def take(self, size: int) -> Any:
+        while size > 0:
+            if not len(self.rest):
+                self.rest = next(self.pieces)
+            view, self.rest = self.rest[:size], self.rest[size:]
+            size -= len(view)
+            yield view
+
+    def drain(self) -> None:
+        for _ in self.pieces:
+            pass
 
 
 # retention ------------------------------------------------------------------------------------------------

@@ -50,7 +50,6 @@ from ..data.loader import ResumableLoader
 from ..storage.local import LocalStore
 from .surroundings import SlowFsync, Uploads, mirror_options
 from ..manager import CheckpointManager
-from ..format.manifest import generation_name
 from ..data.samplerng import sample_generator
 from ..state.train_state import TrainState
 
@@ -454,8 +453,9 @@ def worker_main(args: argparse.Namespace) -> int:
             uploads.poll()
             if state.next_update % cfg.every == 0:
                 _save(ckpt, state, saver, uploads)
-        if state.parent != generation_name(state.next_update):
-            _save(ckpt, state, saver, uploads)
+        # the final save, also when the restore landed on the final update: then it writes nothing, but moves
+        # latest to the generation a kill cut between its commit and its pointer move (restore rolled forward)
+        _save(ckpt, state, saver, uploads)
         if saver is not None:
             saver.finish()  # the final generation is published before the probe below
     uploads.poll()  # close waited for the uploads
