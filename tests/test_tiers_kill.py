@@ -404,13 +404,17 @@ def kills(request, tmp_path_factory) -> dict:
     return record
 
 
+def _kill_line(i: int, t: dict) -> str:
+    return (f"  kill {i}: launch from update {t['started']} (resumed {t['resumed']}), reached {t['reached']}, "
+            f"{t['aim']} +{t['delay_s']} s (late {t['late_s']} s): landed in {t['landed']}; leftovers "
+            f"{t['leftovers']}; servable {t['servable'][:2]}")
+
+
 def _report(record: dict) -> None:
     print(f"\n{record['layout']}: {len(record['trials'])} kills of every process + 1 of one node "
           f"(seed {record['seed']}), {record['seconds']} s")
     for i, t in enumerate(record["trials"]):
-        print(f"  kill {i}: launch from update {t['started']} (resumed {t['resumed']}), reached {t['reached']}, "
-              f"{t['aim']} +{t['delay_s']} s (late {t['late_s']} s): landed in {t['landed']}; leftovers "
-              f"{t['leftovers']}; servable {t['servable'][:2]}; {t['seconds']} s")
+        print(f"{_kill_line(i, t)}; {t['seconds']} s")
     n = record["node"]
     print(f"  node {n['lost']} killed entering {n['phase']} of update {n['update']} (resumed {n['resumed']}); the "
           f"others exited {n['survivors_s']} s later; leftovers {n['leftovers']}; servable without it "
@@ -583,10 +587,8 @@ def _report_upload(record: dict) -> None:
           f"uploads (seed {record['seed']}), {record['seconds']} s")
     for i, t in enumerate(record["trials"]):
         r = t["remote"]
-        print(f"  kill {i}: launch from update {t['started']} (resumed {t['resumed']}), reached {t['reached']}, "
-              f"{t['aim']} +{t['delay_s']} s (late {t['late_s']} s): landed in {t['landed']}; leftovers "
-              f"{t['leftovers']}; servable {t['servable'][:2]}; remote latest {r['latest']}, generations "
-              f"{r['generations']}, leftovers {len(r['leftovers'])}; {t['seconds']} s")
+        print(f"{_kill_line(i, t)}; remote latest {r['latest']}, generations {r['generations']}, leftovers "
+              f"{len(r['leftovers'])}; {t['seconds']} s")
     done, alone = record["finish"][0], record["alone"][0]
     print(f"  finish: restored {done.get('generation')} (sources {done.get('sources')}); {record['finish_s']} s")
     print(f"  every node directory deleted; the remote held {record['before_loss']['generations']} (latest "
