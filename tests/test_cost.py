@@ -152,16 +152,16 @@ def test_costs_match_a_hand_computation(tmp_path, capsys):
     assert month["saves_full"] == 720  # 30 days / 1 h
     assert month["gb_months"] == pytest.approx(3 * 2.0, rel=1e-12)  # keep_last 3 x 2 GB
     assert month["writes"] == pytest.approx(720 * (2 + 3), rel=1e-12)  # files + manifest, commit, pointer
-    # a restore of 2 GB: 17 fixed requests, then the file's HEAD, 33 ranged GETs (4, 8, 16, 32 MiB, then 29 of
-    # 64 MiB) and the preview's read of the RNG chunk
-    assert month["reads"] == pytest.approx(720 * (2 + 4 + 2 * 3) + 4 * (17 + 1 + 33 + 1), rel=1e-12)
+    # a restore of 2 GB: 17 fixed requests, then the file's HEAD, the header's chunk, the preview's read of the
+    # RNG chunk, and 239 ranged GETs of 8 MiB (2e9 / 2^23 = 238.4)
+    assert month["reads"] == pytest.approx(720 * (2 + 4 + 2 * 3) + 4 * (17 + 1 + 1 + 1 + 239), rel=1e-12)
     assert month["gb_in"] == pytest.approx(720 * 2.0, rel=1e-12)
     assert month["gb_out"] == pytest.approx(4 * 2.0, rel=1e-12)
     disk = _tier(r, "disk")
     assert disk["storage"] == pytest.approx(6 * 0.02, rel=1e-12)
-    assert disk["requests"] == pytest.approx(3600 / 1000 * 0.005 + 8848 / 1000 * 0.0004, rel=1e-12)
+    assert disk["requests"] == pytest.approx(3600 / 1000 * 0.005 + 9676 / 1000 * 0.0004, rel=1e-12)
     assert disk["transfer"] == pytest.approx(1440 * 0.01 + 8 * (0.09 + 0.01), rel=1e-12)
-    assert disk["total"] == pytest.approx(0.12 + 0.0215392 + 15.2, rel=1e-12)
+    assert disk["total"] == pytest.approx(0.12 + 0.0218704 + 15.2, rel=1e-12)
     assert disk["restore_s"] == pytest.approx(2e9 / 200e6, rel=1e-12)
     assert disk["early_deletion_gb_months"] == 0
     cold = _tier(r, "cold")  # 90-day minimum; a generation lives 3 x 1 h, so each save is billed the rest
@@ -216,8 +216,8 @@ def test_best_pins_and_milestones_add_to_what_is_stored(tmp_path, capsys):
     assert month["milestone_gb_months"] == pytest.approx(milestones, rel=1e-12)
     assert month["retained_bytes"] == 2 * 10**9 + 10**9 + pinned  # last 2 + best + the pin
     assert month["gb_months"] == pytest.approx(3 + pinned / 1e9 + milestones, rel=1e-12)
-    # a restore of 1 GB: 17 + 1 HEAD + 18 GETs (4 to 32 MiB, then 14 of 64 MiB) + 1 for the RNG chunk
-    assert month["reads"] == pytest.approx(720 * (2 + 4 + 2 * (2 + 1 + 1)) + 4 * 37, rel=1e-12)
+    # a restore of 1 GB: 17 + 1 HEAD + the header's chunk + the RNG chunk + 120 GETs of 8 MiB
+    assert month["reads"] == pytest.approx(720 * (2 + 4 + 2 * (2 + 1 + 1)) + 4 * (17 + 1 + 1 + 1 + 120), rel=1e-12)
     # over three months the milestones keep piling up: the monthly average grows
     _, longer = _cost(capsys, str(run), "--rates", _rates(tmp_path / "r.json"), "--size-bytes", "1000000000",
                       "--interval-s", "3600", "--months", "3")

@@ -115,6 +115,15 @@ def _modelled(url: str, options: dict):
     return restore_reads(store, Lifecycle(store, None).newest_full())
 
 
+def test_the_cost_model_counts_with_the_readers_request_sizes():
+    from trainstate.format.digest import CHUNK_BYTES
+    from trainstate.lifecycle import costs
+    from trainstate.storage import chunked, fetched
+
+    assert (costs.CHUNK_SPAN, costs.FETCH_SPAN, costs.READ_SPAN) == (
+        CHUNK_BYTES, chunked.FETCH_BYTES, fetched.REQUEST_BYTES)
+
+
 def assert_cost_matches(got: dict, model) -> None:
     """``trainstate cost`` uses what a restore reads: the bytes exactly (metadata aside), the requests closely."""
     requests = got["gets"] + got["heads"] + got["lists"]
@@ -171,6 +180,47 @@ def test_the_mirror_pull_on_a_fresh_machine_reads_each_byte_once(saved, proxied,
     print(json.dumps({"mirror pull": got}))
     assert all(torch.equal(v, expected[k]) for k, v in _tensors(fresh).items())
     assert_once_each(got, 1, info.size, managers=1)
+
+
+def test_a_late_damaged_chunk_of_a_remote_generation_falls_back_bitwise(moto_server, monkeypatch):
+    """The parallel ranged reads verify each chunk before it reaches a live tensor: a bit flipped in the last
+    chunk of the newest generation (the chunks before it already placed) makes the restore fall back to the
+    previous one, which loads completely over them. The control: with the chunk check disabled, the damaged
+    generation loads, flipped bit and all."""
+    from trainstate.storage import chunked
+    from trainstate.storage.objects import ObjectStore
+
+    url = moto_server.url(moto_server.make_bucket(), "run")
+    options = moto_server.storage_options()
+    state = _state(seed=1)
+    with ts.CheckpointManager(url, keep_last=3, storage_options=options) as ckpt:
+        ckpt.save(state)
+        first = {k: v.clone() for k, v in _tensors(state).items()}
+        with torch.no_grad():
+            for p in state["model"].parameters():
+                p.add_(1)
+        state.next_update = 2
+        ckpt.save(state)
+    store = ObjectStore(url, storage_options=options)
+    key = f"attempts/{store._attempt('gen-000000000002')}/tensors.safetensors"
+    data = bytearray(store.client.get_small(key))
+    data[-100] ^= 0x01
+    store.client.put(key, bytes(data))
+    ranged = []
+    real = chunked._ranged_chunks
+    monkeypatch.setattr(chunked, "_ranged_chunks", lambda *a, **k: ranged.append(1) or real(*a, **k))
+
+    live = _state(seed=7)
+    with ts.CheckpointManager(url, storage_options=options) as ckpt:
+        info = ckpt.restore(live)
+    assert ranged and info.generation.name == "gen-000000000001", info
+    assert "chunk" in info.rejected[0].reason and ts.unusable_reason(live) is None
+    assert all(torch.equal(v, first[k]) for k, v in _tensors(live).items())
+
+    monkeypatch.setattr(chunked, "_check", lambda *a, **k: None)  # the control: nothing checked, damage loads
+    live = _state(seed=7)
+    with ts.CheckpointManager(url, storage_options=options) as ckpt:
+        assert ckpt.restore(live).generation.name == "gen-000000000002"
 
 
 # multi-rank ------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ state is marked unusable and every save refuses it.
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -249,19 +250,46 @@ class _StreamingStore(LocalStore):
             return io.BytesIO(f.read())
 
 
-@pytest.mark.parametrize("streaming", [False, True])
-def test_fresh_tensors_never_keep_an_unverified_chunk(tmp_path, streaming):
-    """A chunk read straight into a fresh tensor is verified where it landed; a bad one fails the read (both the
-    mapped path for local files and the ring for streams)."""
+class _RangedStream(io.BytesIO):
+    """A stream with an object store's parallel ranged reads (``span_reader``), over a file's bytes: the
+    reads it served are recorded, so a test can tell that the ranged path (not the ring) read the file."""
+
+    def __init__(self, data: bytes, requests: list):
+        super().__init__(data)
+        self._data, self.requests = data, requests
+
+    def span_reader(self):
+        def span(begin: int, end: int) -> memoryview:
+            self.requests.append((begin, end))
+            return memoryview(self._data[begin:end])
+        return span
+
+
+class _RangedStore(LocalStore):
+    """A local store whose files come back as an object store's do: a stream with ranged reads."""
+
+    requests: list = []
+
+    def open(self, generation, file):
+        with super().open(generation, file) as f:
+            return _RangedStream(f.read(), self.requests)
+
+
+STORES = {"mapped": LocalStore, "ring": _StreamingStore, "ranged": _RangedStore}
+
+
+@pytest.mark.parametrize("kind", list(STORES))
+def test_fresh_tensors_never_keep_an_unverified_chunk(tmp_path, kind):
+    """A chunk read straight into a fresh tensor is verified where it landed; a bad one fails the read (the
+    mapped path for local files, the ring for streams, and parallel ranged reads for object stores)."""
     _save(tmp_path, seeds=(3,))
-    store = (_StreamingStore if streaming else LocalStore)(tmp_path, create=False)
+    store = STORES[kind](tmp_path, create=False)
     manifest = _manifest(tmp_path)
     out: dict[str, torch.Tensor] = {}
     chunked.read_file(store, manifest, TENSORS, {"model.0.weight"}, out)  # the control: intact, it reads
     assert torch.equal(out["model.0.weight"], _state(3)["model"][0].weight.detach())
     _flip(tmp_path, "gen-000000000001", 100)
-    if streaming:
-        store = _StreamingStore(tmp_path, create=False)
+    store = STORES[kind](tmp_path, create=False)
     with pytest.raises(ts.CorruptGeneration, match="digest mismatch in chunk"):
         chunked.read_file(store, manifest, TENSORS, {"model.0.weight"}, {})
 
@@ -274,3 +302,36 @@ def test_a_file_shorter_than_its_record_is_refused_before_anything_is_mapped(tmp
         f.truncate(manifest.file(TENSORS).size - CHUNK_BYTES // 2)
     with pytest.raises(ts.CorruptGeneration, match="ends .* bytes early"):
         chunked.read_file(LocalStore(tmp_path, create=False), manifest, TENSORS, {"model.0.weight"}, {})
+
+
+@pytest.mark.parametrize("bad", ["late", "first", "none"])
+def test_ranged_reads_verify_each_chunk_before_a_live_tensor_changes(tmp_path, bad):
+    """The object-store path: runs of chunks fetched on several threads, each chunk checked before any of its
+    bytes is copied into a live tensor. A late bad chunk fails the read with the chunks before it placed (the
+    caller marks the state unusable); a bad first chunk leaves every live byte as it was."""
+    saved = _save(tmp_path, seeds=(3,))
+    manifest = _manifest(tmp_path)
+    size = manifest.file(TENSORS).size
+    if bad != "none":
+        _flip(tmp_path, "gen-000000000001", 100 if bad == "late" else size - 8 - 200)  # the header's chunk: 0
+    live = _state(9)
+    before = _params(live)
+    into = {f"model.{k}": v.detach() for k, v in live["model"].state_dict().items()}
+    progress = chunked.Progress()
+    store = _RangedStore(tmp_path, create=False)
+    store.requests = requests = []
+    call = lambda: chunked.read_file(store, manifest, TENSORS, set(into), {}, into=into,  # noqa: E731
+                                     progress=progress)
+    if bad == "none":
+        call()
+        assert _equal(_params(live), saved[0]) and progress.live_changed
+        spans = sorted(requests)  # the header's chunk was read (and kept) first: the rest, each byte once
+        assert [b for b, _ in spans] == [CHUNK_BYTES] + [e for _, e in spans[:-1]] and spans[-1][1] == size
+        assert all(e - b <= chunked.FETCH_BYTES for b, e in spans) and len(spans) >= 2
+        return
+    with pytest.raises(ts.CorruptGeneration, match="digest mismatch in chunk"):
+        call()
+    if bad == "late":
+        assert progress.live_changed and not _equal(_params(live), before)
+    else:
+        assert not progress.live_changed and _equal(_params(live), before)

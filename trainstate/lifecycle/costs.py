@@ -63,7 +63,7 @@ READS_PER_RETAINED = 2  # ... and list and read the manifest of each retained ge
 RESTORE_FIXED_REQUESTS = 17
 RANK_RESTORE_FIXED_REQUESTS = 15  # a rank of a multi-rank restore (its files are fetched without a HEAD)
 READ_SPAN = 16 << 20  # a multi-rank restore fetches in ranged GETs of at most this many bytes
-FIRST_SPAN, MAX_SPAN = 4 << 20, 64 << 20  # a single-process restore's ranged GETs: 4 MiB chunks, doubling
+CHUNK_SPAN, FETCH_SPAN = 4 << 20, 8 << 20  # a single-process restore: the 4 MiB header chunk, then 8 MiB GETs
 
 TOP_KEYS = ("date", "currency", "source", "tiers")
 PRICE_KEYS = ("gb_month", "per_1000_writes", "per_1000_reads", "per_gb_in", "per_gb_out", "per_gb_retrieved")
@@ -292,27 +292,22 @@ class RestoreReads:
     processes: int = 1
 
 
-def _sequential_gets(size: int) -> int:
-    """Ranged GETs of a file read start to end: a 4 MiB chunk first, then spans doubling up to 64 MiB."""
-    gets, done, span = 0, 0, 0
-    while done < size:
-        span = min(MAX_SPAN, max(FIRST_SPAN, 2 * span))
-        done += span
-        gets += 1
-    return gets
+def _file_gets(size: int) -> int:
+    """Ranged GETs of a file a single process restores: its header chunk, the chunk of RNG states a preview
+    reads (a file of more than one chunk), then the file in runs of ``FETCH_SPAN`` (the chunks already read
+    served from memory)."""
+    return 1 + (size > CHUNK_SPAN) + (-(-size // FETCH_SPAN) if size > CHUNK_SPAN else 0)
 
 
 def restore_reads(files: Sequence[tuple[int, int]], processes: int = 1) -> RestoreReads:
     """A restore's reads from ``files``, each ``(bytes, readers)``: how many of the ``processes`` download it.
 
-    A single process reads each file with a HEAD and sequential ranged GETs (plus one for the chunk of RNG
-    states a preview reads ahead); the ranks of a multi-rank restore fetch in ranged GETs of at most
+    A single process reads each file with a HEAD and ranged GETs (:func:`_file_gets`); the ranks of a multi-rank restore fetch in ranged GETs of at most
     ``READ_SPAN``, no HEAD.
     """
     total = sum(size * readers for size, readers in files)
     if processes == 1:
-        requests = RESTORE_FIXED_REQUESTS + sum(1 + _sequential_gets(size) + (size > FIRST_SPAN)
-                                                for size, _ in files)
+        requests = RESTORE_FIXED_REQUESTS + sum(1 + _file_gets(size) for size, _ in files)
     else:
         requests = RANK_RESTORE_FIXED_REQUESTS * processes + sum(
             readers * max(1, -(-size // READ_SPAN)) for size, readers in files)

@@ -20,9 +20,14 @@ on its own, as soon as it is read:
    state unusable then (see :mod:`trainstate.restore`). A fresh tensor that
    received an unverified chunk is dropped with the error.
 
-Streams that cannot be mapped (object stores) are read in order by
-one thread into a small ring of staging buffers (one per worker plus one,
-within 5% of the file), and the workers verify and place each chunk.
+An object store's file is fetched by ``FETCHERS`` threads at once, each a
+run of whole chunks in one bounded ranged GET pinned to the object's
+version (no request reaches past the file, none is open-ended), and each
+thread verifies and places the chunks it fetched: one stream alone does not
+reach the client's speed. Other streams that cannot be mapped are read in
+order by one thread into a small ring of staging buffers (one per worker
+plus one, within 5% of the file), and the workers verify and place each
+chunk.
 
 :func:`header_preview` reads only what restore checks before a live object
 changes: each tensor file's header and the RNG tensors, each from verified
@@ -56,6 +61,9 @@ from .streams import Rewindable
 
 WORKERS = max(1, min(8, os.cpu_count() or 1))
 OnBytes = Callable[[int], None]  # told the bytes of each chunk once it verified
+SpanReader = Callable[[int, int], "memoryview"]  # bytes [begin, end) of a file, in one request, from any thread
+FETCHERS = 8  # object-store requests in flight (waiting on the network: not one per core)
+FETCH_BYTES = 8 << 20  # one ranged GET: whole chunks (costs.FETCH_SPAN counts with it)
 
 
 @dataclass
@@ -85,8 +93,16 @@ class _Target:
     live: bool
 
 
+def _span_reader(stream: Any) -> SpanReader | None:
+    """A stream's ranged reads that threads can make at once (an object store's), or None."""
+    get = getattr(stream, "span_reader", None)
+    return get() if get is not None else None
+
+
 def _advise_sequential(stream: Any) -> None:
     """The whole file is about to be read in order: a local file's readahead, or an object's one request."""
+    if _span_reader(stream) is not None:
+        return  # read in parallel ranged requests instead: none to the end
     sequential = getattr(stream, "sequential", None)
     if sequential is not None:  # an object store's reader: from here on, one request to the end
         sequential()
@@ -257,7 +273,10 @@ def _stream_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target],
                    progress: Progress, workers: int, on_bytes: OnBytes | None = None) -> None:
     """Verify every chunk of the file and copy each to the targets it overlaps, on ``workers`` threads."""
     fd = _positional(stream)
-    if fd is None:
+    spans = _span_reader(stream) if fd is None else None
+    if spans is not None:
+        _ranged_chunks(spans, record, targets, where, algorithm, progress, on_bytes)
+    elif fd is None:
         _ring_chunks(stream, record, targets, where, algorithm, progress, workers, on_bytes)
     else:
         _mapped_chunks(fd, record, targets, where, algorithm, progress, workers, on_bytes)
@@ -294,31 +313,13 @@ def _mapped_chunks(fd: int, record: FileRecord, targets: list[_Target], where: s
     before = os.fstat(fd)
     if before.st_size < record.size:
         raise CorruptGeneration(where, f"file ends {record.size - before.st_size} bytes early")
-    order = itertools.count()
-    lock = threading.Lock()
-    failures: list[tuple[int, BaseException]] = []
 
-    def work() -> None:
-        while not failures:
-            index = next(order)
-            if index >= count:
-                return
-            lo, hi = _chunk_span(record, index)
-            try:
-                _one_chunk(fd, record, index, lo, hi, targets, where, algorithm, progress)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller, lowest chunk first
-                with lock:
-                    failures.append((index, exc))
-                return
-            progress.chunk_done(hi - lo, on_bytes)
+    def one(index: int) -> None:
+        lo, hi = _chunk_span(record, index)
+        _one_chunk(fd, record, index, lo, hi, targets, where, algorithm, progress)
+        progress.chunk_done(hi - lo, on_bytes)
 
-    threads = max(1, min(workers, count))
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="trainstate-chunks") as pool:
-        done = [pool.submit(work) for _ in range(threads)]
-    for future in done:
-        future.result()  # work() catches everything; a bug in it still surfaces
-    if failures:
-        raise min(failures, key=lambda f: f[0])[1]
+    _in_order_on_threads(count, max(1, min(workers, count)), one, "trainstate-chunks")
     if _identity(os.fstat(fd)) != _identity(before):
         raise CorruptGeneration(where, "was written while it was being read (its size or change time moved); "
                                        "nothing read from it is trusted")
@@ -395,6 +396,57 @@ def _ring_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target], w
             error_in_flight = [f.exception() for f in slots]  # waits for every chunk in flight
     for exc in [*error, *(e for e in error_in_flight if e is not None)]:
         raise exc
+
+
+def _ranged_chunks(spans: SpanReader, record: FileRecord, targets: list[_Target], where: str, algorithm: str,
+                   progress: Progress, on_bytes: OnBytes | None) -> None:
+    """For object stores: ``FETCHERS`` threads each fetch the next run of chunks in one ranged GET, verify each
+    chunk and place it. At most ``FETCHERS`` x ``FETCH_BYTES`` are in memory; the first failure (lowest chunk)
+    stops every thread from starting another request and is raised once the requests in flight end."""
+    count = len(record.chunks)
+    per = max(1, FETCH_BYTES // CHUNK_BYTES)
+    runs = [(first, min(count, first + per)) for first in range(0, count, per)]
+    def one(at: int) -> None:
+        first, end = runs[at]
+        lo, hi = _chunk_span(record, first)[0], _chunk_span(record, end - 1)[1]
+        data = np.frombuffer(spans(lo, hi), np.uint8)
+        if len(data) != hi - lo:
+            raise CorruptGeneration(where, f"{len(data)} bytes at {lo} where {hi - lo} were expected (truncated?)")
+        for index in range(first, end):
+            c_lo, c_hi = _chunk_span(record, index)
+            chunk = data[c_lo - lo : c_hi - lo]
+            _check(record, index, chunk, where, algorithm)
+            _place(_overlapping(targets, c_lo, c_hi), c_lo, c_hi, chunk, progress)
+            progress.chunk_done(c_hi - c_lo, on_bytes)
+
+    _in_order_on_threads(len(runs), max(1, min(FETCHERS, len(runs))), one, "trainstate-fetch")
+
+
+def _in_order_on_threads(count: int, threads: int, one: Callable[[int], None], name: str) -> None:
+    """``one(0)``, ``one(1)``, ... on ``threads`` threads, each taking the next; after a failure no thread takes
+    another, and once those under way end, the failure of the lowest index is raised."""
+    order = itertools.count()
+    lock = threading.Lock()
+    failures: list[tuple[int, BaseException]] = []
+
+    def work() -> None:
+        while not failures:
+            at = next(order)
+            if at >= count:
+                return
+            try:
+                one(at)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, lowest index first
+                with lock:
+                    failures.append((at, exc))
+                return
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) as pool:
+        done = [pool.submit(work) for _ in range(threads)]
+    for future in done:
+        future.result()  # work() catches everything; a bug in it still surfaces
+    if failures:
+        raise min(failures, key=lambda f: f[0])[1]
 
 
 def _overlapping(targets: list[_Target], lo: int, hi: int) -> list[_Target]:

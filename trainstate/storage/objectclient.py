@@ -239,7 +239,17 @@ class Client:
             stream = result.stream(min_chunk_size=8 << 20)
             return _views(functools.partial(self._call, "reading", key, replayable=False), stream)
 
-        return ObjectReader(open_range, size, f"{self.url}/{key}")
+        def fetch(offset: int, end: int) -> memoryview:
+            options: Any = {"range": (offset, end)}
+            if e_tag:
+                options["if_match"] = e_tag
+            try:  # the body inside the call: a transfer cut short is retried like a refused request
+                body = self._call("reading", key, lambda: obstore.get(self.store, key, options=options).bytes())
+            except (Missing, Precondition):
+                raise FileNotFoundError(f"{self.url}/{key} was removed or replaced while being read") from None
+            return memoryview(body).cast("B")
+
+        return ObjectReader(open_range, size, f"{self.url}/{key}", fetch)
 
 
 def _views(call: Callable[[Callable[[], Any]], Any], stream: Any) -> Iterator[memoryview]:
@@ -271,8 +281,9 @@ class ObjectReader(SeekableReader):
     FIRST_SPAN = 1 << 20
     MAX_SPAN = 64 << 20
 
-    def __init__(self, open_range: Callable[[int, int], Iterator[memoryview]], size: int, name: str):
-        self._open_range, self._size, self.name = open_range, size, name
+    def __init__(self, open_range: Callable[[int, int], Iterator[memoryview]], size: int, name: str,
+                 fetch: Callable[[int, int], memoryview] | None = None):
+        self._open_range, self._size, self.name, self._fetch = open_range, size, name, fetch
         self._pos = 0
         self._chunks: Iterator[memoryview] | None = None
         self._pending = memoryview(b"")
@@ -284,6 +295,12 @@ class ObjectReader(SeekableReader):
     def sequential(self) -> None:
         """The rest of the object is read in order: each request from here on runs to its end (or ``stop``)."""
         self._to_end = True
+
+    def span_reader(self) -> Callable[[int, int], memoryview] | None:
+        """Bytes ``[begin, end)`` in one bounded ranged GET, pinned to the same version, wherever this stream
+        stands: callable from several threads at once (the position and the pending requests stay as they
+        are)."""
+        return self._fetch
 
     @property
     def size(self) -> int:

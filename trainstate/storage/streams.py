@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 
@@ -66,6 +67,31 @@ class Rewindable(SeekableReader):
         advise = getattr(self._inner, "sequential", None)
         if advise is not None:
             advise()
+
+    def span_reader(self) -> Callable[[int, int], memoryview] | None:
+        """The inner stream's ranged reads (see ``ObjectReader.span_reader``), a span this stream already kept
+        served from memory: None where the inner stream has none."""
+        inner = getattr(self._inner, "span_reader", None)
+        fetch = inner() if inner is not None else None
+        if fetch is None:
+            return None
+
+        def span(begin: int, end: int) -> memoryview:
+            kept = sorted((max(begin, start), min(end, start + len(data)), start, data)
+                          for start, data in list(self._kept) if start < end and begin < start + len(data))
+            if not kept:  # (a snapshot: kept regions only grow, on the thread that reads in order)
+                return fetch(begin, end)
+            out, at = bytearray(end - begin), begin  # the kept bytes copied (a region may grow), the gaps fetched
+            for lo, hi, start, data in kept:
+                if lo > at:
+                    out[at - begin:lo - begin] = fetch(at, lo)
+                out[lo - begin:hi - begin] = memoryview(data)[lo - start:hi - start]
+                at = max(at, hi)
+            if at < end:
+                out[at - begin:] = fetch(at, end)
+            return memoryview(out)
+
+        return span
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
