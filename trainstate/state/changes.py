@@ -1,0 +1,119 @@
+"""Which tensors changed since the generation a save descends from: told by their bytes, never by a cheap signal.
+
+An incremental save (issue 32) writes only the tensors whose bytes differ
+from the generation it descends from and references the rest. A wrong
+"unchanged" is silent data loss, so the answer comes from the bytes
+themselves. The cheap signals a framework offers each miss a way tensors
+change in practice:
+
+- the autograd version counter (``tensor._version``) does not move for a
+  write through ``.data`` (a separate counter), through a NumPy array or a
+  DLPack capsule sharing the memory, nor for the fused CPU Adam, which
+  writes parameters and moments without moving it (torch 2.13; see
+  ``tests/test_changes.py``);
+- the storage pointer (``data_ptr``) does not move for any in-place write:
+  ``add_`` under ``no_grad``, an optimizer's foreach or fused kernels,
+  ``copy_``, ``load_state_dict``;
+- ``requires_grad=False`` says nothing: frozen weights are written by
+  whoever holds them (a merged adapter, an EMA, a hand-edited embedding).
+
+A :class:`Fingerprint` is a tensor's dtype, shape and the 128-bit XXH3 of
+its bytes, taken piece by piece (``PIECE_BYTES``) on several threads
+(``xxhash`` releases the GIL; about 16 GB/s a core here, against about 3
+GB/s for BLAKE3). XXH3 is not the integrity digest: what is written is still
+digested with the manifest's BLAKE3 chunks, and what is referenced was
+verified when it was written and is verified again when it is read. XXH3
+answers one question only, "did these bytes change since we hashed them?";
+an accidental collision of 128 bits is not a risk a run will meet, and the
+bytes are the run's own, not an adversary's. A tensor whose dtype or shape
+changed is changed whatever its bytes.
+
+Memory layout does not matter: a non-contiguous tensor is hashed by its
+values in row-major order (a contiguous copy, piece by piece), a conjugate
+or negative view by its resolved values. A tensor that moved to new storage
+with the same values (a device round trip, ``module.double().float()``,
+``p.data = p.data.clone()``) is unchanged, and rightly so: the bytes a
+restore needs are the same.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+PIECE_BYTES = 16 << 20  # one hashing task: small enough to spread a large tensor over every core
+THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a tensor's value is, as far as a save is concerned: its dtype, shape and the hash of its bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    xxh3: str  # hex of the 128-bit XXH3 over the piece hashes (one piece: that piece's hash)
+
+    def to_json(self) -> list:
+        return [self.dtype, list(self.shape), self.xxh3]
+
+    @classmethod
+    def from_json(cls, value: list) -> Fingerprint:
+        dtype, shape, digest = value
+        return cls(str(dtype), tuple(int(n) for n in shape), str(digest))
+
+
+def _values(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values on the CPU, in row-major order, as the bytes a save writes."""
+    t = tensor.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
+
+
+def _pieces(data: np.ndarray) -> list[np.ndarray]:
+    return [data[at:at + PIECE_BYTES] for at in range(0, len(data), PIECE_BYTES)] or [data]
+
+
+def _combine(hashes: list[bytes]) -> str:
+    return hashes[0].hex() if len(hashes) == 1 else xxhash.xxh3_128(b"".join(hashes)).hexdigest()
+
+
+def fingerprints(tensors: Mapping[str, torch.Tensor], *, threads: int | None = None) -> dict[str, Fingerprint]:
+    """The fingerprint of every tensor, its pieces hashed on ``threads`` threads (default: one per core, ≤ 8)."""
+    values = {name: _values(t) for name, t in tensors.items()}
+    jobs = [(name, i, piece) for name, v in values.items() for i, piece in enumerate(_pieces(_bytes(v)))]
+    hashed: dict[str, dict[int, bytes]] = {name: {} for name in values}
+
+    def one(job: tuple[str, int, np.ndarray]) -> None:
+        name, index, piece = job
+        hashed[name][index] = xxhash.xxh3_128(piece).digest()  # (a dict item set per job: safe under the GIL)
+
+    workers = max(1, min(threads or THREADS, len(jobs)))
+    if workers == 1:
+        for job in jobs:
+            one(job)
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trainstate-changes") as pool:
+            list(pool.map(one, jobs))
+    return {name: Fingerprint(str(v.dtype).removeprefix("torch."), tuple(v.shape),
+                              _combine([hashed[name][i] for i in range(len(hashed[name]))]))
+            for name, v in values.items()}
+
+
+def changed(now: Mapping[str, Fingerprint], before: Mapping[str, Fingerprint]) -> set[str]:
+    """The names whose value differs from ``before`` (a name ``before`` lacks counts as changed)."""
+    return {name for name, print_ in now.items() if before.get(name) != print_}
