@@ -247,6 +247,13 @@ class RecordingOps(PosixOps):
         super().replace(src, dst)
         self._move(src, dst)
 
+    def link(self, src, dst):
+        super().link(src, dst)
+        inode = self._paths[self._rel(src)]
+        parent, name = self._split(dst)
+        self._paths[self._rel(dst)] = inode
+        self.trace.append(Link(parent, name, inode))  # a second name for the same inode: its data is not written
+
     def unlink(self, path):
         super().unlink(path)
         self._drop(path)

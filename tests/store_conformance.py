@@ -69,6 +69,31 @@ class StoreConformance:
         assert record.size == len(whole) and read(store, generation_name(2), "t.bin") == whole
 
     # staging is invisible ---------------------------------------------------------
+    def test_a_linked_file_is_the_same_bytes_and_outlives_its_source(self, store: Store):
+        """``link`` stages a committed file under a new generation without writing it (or declines with None,
+        and the caller writes it); either way the new generation reads the same bytes, also after the source
+        generation is removed, and aborting a staging area that linked a file leaves the source intact."""
+        source = generation_name(1)
+        staging = store.begin(source)
+        record = staging.write("part.safetensors", [b"unchanged bytes " * 1000])
+        staging.commit()
+        aborted = store.begin(generation_name(2))
+        linked_once = aborted.link("part.safetensors", source, record)
+        aborted.abort()
+        assert read(store, source, "part.safetensors") == b"unchanged bytes " * 1000
+        staging = store.begin(generation_name(3))
+        linked = staging.link("part.safetensors", source, record)
+        assert linked in (None, record) and (linked is None) == (linked_once is None)
+        if linked is None:
+            linked = staging.write("part.safetensors", [b"unchanged bytes " * 1000])
+        staging.commit()
+        assert (linked.size, linked.digest) == (record.size, record.digest)
+        store.remove(source)
+        assert read(store, generation_name(3), "part.safetensors") == b"unchanged bytes " * 1000
+        missing = store.begin(generation_name(4))
+        assert missing.link("part.safetensors", source, record) is None  # a removed source: write it instead
+        missing.abort()
+
     def test_staging_is_invisible_to_readers_until_commit(self, store: Store, reopen: Reopen):
         name = generation_name(5)
         staging = store.begin(name)

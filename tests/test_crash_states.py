@@ -22,7 +22,7 @@ import torch
 import trainstate as ts
 from crashfs import Link, RecordingOps, Sync, Unlink, crash_state, explore, swapped
 from trainer import build, full_state, step
-from trainstate.state import rng
+from trainstate.state import parts, rng
 from trainstate.format.codec import TensorTable, encode
 from trainstate.storage.local import LocalStore
 from trainstate.storage.verify import verify_generation
@@ -70,9 +70,13 @@ def record_save(root: Path, noop_sync: int | None = None, scenario: str = "plain
     run = root / "run"
     state = make_state()
     step(state)
-    with ts.CheckpointManager(run, keep_last=1) as ckpt:
+    full_every = 5 if scenario == "incremental" else None
+    with ts.CheckpointManager(run, keep_last=1, full_every=full_every) as ckpt:
         ckpt.save(state)
-    expected = {"gen-000000000001": fingerprint(state)}
+        if scenario == "incremental":  # gen 1 lays nothing out; gen 2 puts the unchanged blob in a part file
+            step(state)
+            ckpt.save(state)
+    expected = {ckpt.latest(): fingerprint(state)}
     if scenario == "orphan":
         other = make_state(seed=55)
         other.next_update = 2
@@ -83,9 +87,9 @@ def record_save(root: Path, noop_sync: int | None = None, scenario: str = "plain
         (run / ".trainstate-tmp-latest-00000000000000bb").write_bytes(b'{"partial')
     step(state)
     ops = RecordingOps(run, noop_sync=noop_sync)
-    with ts.CheckpointManager(run, keep_last=1, store=LocalStore(run, ops=ops)) as ckpt:
-        ckpt.save(state)
-    expected["gen-000000000002"] = fingerprint(state)
+    with ts.CheckpointManager(run, keep_last=1, store=LocalStore(run, ops=ops), full_every=full_every) as ckpt:
+        info = ckpt.save(state)  # incremental: gen 3 links gen 2's part file, then gen 2 is pruned
+    expected[info.name] = fingerprint(state)
     return ops, expected
 
 
@@ -133,7 +137,7 @@ class Checker:
         name = info.generation.name
         if name not in self.expected:
             return f"restored unexpected {name}"
-        if final and name != "gen-000000000002":
+        if final and name != max(self.expected):
             return f"save had returned but restore chose {name}"
         if fingerprint(state) != self.expected[name]:
             return f"{name} restored but not bitwise equal to what was saved"
@@ -163,11 +167,15 @@ def run_checker(tmp_path: Path, ops, expected, trace=None, samples=SAMPLES, stop
     return problems, cases, checker.states
 
 
-@pytest.mark.parametrize("scenario", ["plain", "orphan"])
-def test_every_crash_state_restores_previous_or_new(tmp_path, scenario):
+@pytest.mark.parametrize("scenario", ["plain", "orphan", "incremental"])
+def test_every_crash_state_restores_previous_or_new(tmp_path, scenario, monkeypatch):
+    monkeypatch.setattr(parts, "SMALL_BYTES", 64 << 10)  # the blob (384 KB) is a part file of its own
     ops, expected = record_save(tmp_path, scenario=scenario)
     kinds = {type(op).__name__ for op in ops.trace}
     assert kinds == {"Link", "Unlink", "Write", "Sync"}
+    if scenario == "incremental":  # the part file is linked (a second name for its inode), never rewritten
+        linked = [op for op in ops.trace if isinstance(op, Link) and op.name.startswith("part-")]
+        assert linked and all(op.inode in ops.initial.files for op in linked), linked
     problems, cases, states = run_checker(tmp_path, ops, expected)
     print(f"\ncrash states ({scenario}): {len(ops.trace)} recorded operations, {cases} cases explored, "
           f"{states} distinct on-disk states checked")

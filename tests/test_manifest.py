@@ -37,7 +37,7 @@ def test_manifest_and_pointer_round_trip():
 
 
 @pytest.mark.parametrize("edit", [
-    lambda d: d.update(format_version=4),  # a version this reader does not know
+    lambda d: d.update(format_version=5),  # a version this reader does not know
     lambda d: d.update(format="other"),
     lambda d: d.update(digest_algorithm="md5"),
     lambda d: d.update(next_update=43),
@@ -58,6 +58,28 @@ def test_manifest_rejects_each_malformation(edit):
     edit(data)
     with pytest.raises(CorruptGeneration):
         parse_manifest(json.dumps(data).encode(), "m")
+
+
+def test_format_4_fields_are_checked_and_round_trip():
+    """Incremental generations: fingerprints of listed tensor files (each tensor in one), shares of listed files
+    from an older generation; each resealed malformation is refused (resealing alone is accepted)."""
+    import dataclasses
+
+    part = FileRecord("part-0123456789abcdef.safetensors", 30, "aa" * 32)
+    fp = ["float32", [2, 3], "0f" * 16]
+    good = dataclasses.replace(MANIFEST, files=MANIFEST.files + (part,), format_version=4,
+                               fingerprints={"tensors.safetensors": {"a": fp}, part.name: {"b": fp}},
+                               shares={part.name: "gen-000000000040"})
+    assert parse_manifest(good.to_bytes(), "m") == good
+    for bad in (dataclasses.replace(good, format_version=3),
+                dataclasses.replace(good, shares={part.name: "gen-000000000043"}),  # from a newer generation
+                dataclasses.replace(good, shares={"state.json": "gen-000000000040"}),  # not a tensor file
+                dataclasses.replace(good, fingerprints={**good.fingerprints, "other.safetensors": {}}),
+                dataclasses.replace(good, fingerprints={"tensors.safetensors": {"a": fp}, part.name: {"a": fp}}),
+                dataclasses.replace(good, fingerprints={"tensors.safetensors": {"a": ["float32", [2], "xy"]},
+                                                        part.name: {"b": fp}})):
+        with pytest.raises(CorruptGeneration):
+            parse_manifest(bad.to_bytes(), "m")
 
 
 @settings(max_examples=500, deadline=None)

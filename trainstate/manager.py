@@ -90,7 +90,7 @@ class CheckpointManager:
     byte bar on stderr (tqdm) while a save writes and a restore loads
     (``None``: only when stderr is a terminal; off by default). ``replicas=N`` (multi-node): a node-local
     ``directory``, each node's files also on ``N - 1`` peers across ``failure_domain`` labels (README, "Tiers").
-    """
+    ``full_every=N``: incremental generations (unchanged tensor files linked, not rewritten), every N-th whole."""
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
                  digest: str = "blake3-chunked", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
@@ -101,7 +101,7 @@ class CheckpointManager:
                  mirror_options: dict[str, Any] | None = None, mirror_retention: Retention | None = None,
                  mirror_timeout_s: float = 600.0, progress: bool | None = False, replicas: int | None = None,
                  node: str | int | None = None, failure_domain: str | None = None, wait_replicas: bool = False,
-                 mirror_every: int = 1):
+                 mirror_every: int = 1, full_every: int | None = None):
         runs.check_policy(keep_last, retention)
         publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
         self.store: Store = store if store is not None else open_store(directory, digest,
@@ -127,6 +127,7 @@ class CheckpointManager:
         self._writer = Writer(max_in_flight)
         weakref.finalize(self, report_at_exit, self._writer, str(directory))
         self._session = _session(process_group, collective_timeout_s)  # multi-rank mode, or None
+        self._publisher.full_every = publish.check_full_every(full_every, multi_rank=self._session is not None)
         tiered = replicas is not None or node is not None or failure_domain is not None
         if tiered or mirror_every != 1:  # node-local tiers; mirror= is then their remote tier
             from .distributed.tieroptions import attach

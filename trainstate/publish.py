@@ -39,11 +39,13 @@ from .format.digest import new_hasher
 from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_name,
                               generation_name, parse_run, run_to_bytes)
 from .format.signing import SigningKey
+from .lifecycle import incremental
 from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, rehearse
 from .lifecycle.retention import Retention
 from . import progress, revisions
 from .records import GenerationInfo
+from .state import changes
 from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
@@ -70,6 +72,7 @@ class Pending:
         self.prepared = self.name  # ``name`` may become a revision (gen-U-r001) when it is published
         self.unless_same: Verified | None = None  # a generation whose bytes, if the staged ones match, make
         # this save a no-op (decided before the commit; see trainstate.revisions)
+        self.fingerprints: dict | None = None  # each tensor's, once taken (incremental saves)
 
     def changed_bytes(self, manifest: Manifest) -> list[str] | None:
         """Whether the tensor file this would write differs from ``manifest``'s, by digest: ``["tensor bytes"]``
@@ -80,6 +83,10 @@ class Pending:
         NumPy view, an EMA swap or a generator's new state all show here.
         Digested in memory (no disk written), in the generation's own algorithm.
         """
+        if manifest.fingerprints:  # format 4: the tensors are spread over files; compare their fingerprints
+            if self.fingerprints is None:
+                self.fingerprints = changes.fingerprints(self.tensors)
+            return [] if incremental.unchanged(self.fingerprints, manifest) else ["tensor bytes"]
         record = manifest.file(TENSORS)
         layout = tensorfile.plan(self.tensors)
         if layout.size != record.size:
@@ -105,6 +112,18 @@ def check_options(*, verify: str, rehearse: Factory | None, headroom: float) -> 
         raise InvalidArgument(f"headroom must be a fraction in [0, 10], got {headroom!r}")
     if rehearse is not None and not callable(rehearse):
         raise InvalidType("rehearse must be a function returning a fresh TrainState")
+
+
+def check_full_every(full_every: int | None, *, multi_rank: bool) -> int | None:
+    """``full_every``: ``None`` (every generation self-contained) or N >= 1 (incremental, every N-th whole)."""
+    if full_every is None:
+        return None
+    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+        raise InvalidArgument(f"full_every must be a whole number of saves >= 1, or None; got {full_every!r}")
+    if multi_rank:
+        raise InvalidArgument("full_every (incremental generations) is single-process for now: a multi-rank run "
+                              "writes every shard at every save. Leave full_every unset under torch.distributed")
+    return full_every
 
 
 def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
@@ -186,6 +205,7 @@ class Publisher:
         self.renamed: dict[str, str] = {}  # prepared name -> the generation it was published as, or found in
         self.after_publish: Callable[[str], None] | None = None  # told each published name (a mirror's uploader)
         self.progress: bool | None = False  # a byte bar on stderr while the tensors are written (None: on a tty)
+        self.full_every: int | None = None  # incremental generations, one self-contained in every N (or None)
 
     def publish(self, p: Pending) -> GenerationInfo:
         """Publish ``p``: durable, verified and named by its pointer when this returns.
@@ -410,19 +430,27 @@ class Publisher:
         staging = self.store.begin(p.name)
         meter = None
         try:
-            layout = tensorfile.plan(p.tensors)
+            stable = all(t.device.type == "cpu" for t in p.tensors.values())
             state_json = snapshot.state_json(p.skeleton)
-            meter = progress.optional(len(state_json) + layout.size, f"save {p.name}", self.progress)
-            files = [staging.write(STATE, progress.counted([state_json], meter)),
-                     staging.write(TENSORS, progress.counted(tensorfile.chunks(layout, p.tensors), meter),
-                                   stable=all(t.device.type == "cpu" for t in p.tensors.values()),
-                                   size_hint=layout.size)]
+            extra: dict[str, Any] = {}
+            if self.full_every is not None and p.kind == "full":  # written by what changed, the rest linked
+                plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints)
+                meter = progress.optional(len(state_json) + plan.written_bytes, f"save {p.name}", self.progress)
+                files, extra = incremental.write(staging, plan, p.tensors,
+                                                 lambda chunks: progress.counted(chunks, meter), stable)
+                files.insert(0, staging.write(STATE, progress.counted([state_json], meter)))
+            else:
+                layout = tensorfile.plan(p.tensors)
+                meter = progress.optional(len(state_json) + layout.size, f"save {p.name}", self.progress)
+                files = [staging.write(STATE, progress.counted([state_json], meter)),
+                         staging.write(TENSORS, progress.counted(tensorfile.chunks(layout, p.tensors), meter),
+                                       stable=stable, size_hint=layout.size)]
             manifest = Manifest(
                 generation=p.name, kind=p.kind, next_update=p.next_update,
                 digest_algorithm=self.store.digest_algorithm, files=tuple(files),
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
                 contract_fingerprint=contract_mod.digest(p.skeleton["contract"]["fields"]),
-                versions=p.skeleton["contract"]["versions"], parent=p.parent, **p.extra)
+                versions=p.skeleton["contract"]["versions"], parent=p.parent, **p.extra, **extra)
             manifest_bytes = manifest.to_bytes(self.key)
             staging.write(MANIFEST, [manifest_bytes])
             staging.commit()

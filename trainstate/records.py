@@ -27,6 +27,7 @@ class GenerationInfo:
     digest_algorithm: str
     devices: tuple[str, ...] = ()  # the device kinds its tensors lived on when saved; () when not recorded
     wall_s: float | None = None  # seconds of training summed over its lineage's updates; None when not recorded
+    shared: int = 0  # of ``size``, the bytes of files linked from earlier generations (stored once, with theirs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))  # a list after a broadcast between ranks
@@ -36,7 +37,8 @@ class GenerationInfo:
         m = v.manifest
         return cls(m.generation, f"{store.location}/{m.generation}", m.kind, m.next_update, m.created,
                    v.manifest_size + sum(f.size for f in m.files), v.manifest_digest, m.digest_algorithm,
-                   tuple(m.compute.get("devices", ())), m.compute.get("wall_s"))
+                   tuple(m.compute.get("devices", ())), m.compute.get("wall_s"),
+                   sum(f.size for f in m.files if f.name in m.shares))
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,13 @@ def cmd_unpin(args: argparse.Namespace) -> int:
 
 
 def disk_plan(policy: Retention, *, total_updates: int, every: int, size: int, pinned_bytes: int = 0,
-              weights_every: int | None = None, weights_size: int = 0) -> dict[str, Any]:
-    """Simulate a run's saves through the retention plan: peak and final bytes, milestones (pure)."""
+              weights_every: int | None = None, weights_size: int = 0, shared: int = 0) -> dict[str, Any]:
+    """Simulate a run's saves through the retention plan: peak and final bytes, milestones (pure).
+
+    ``shared``: bytes an incremental generation links rather than owns (``size`` is then what it owns). They
+    are stored once per span between self-contained generations; counted twice (the current span's and the
+    one before), plus once per milestone kept.
+    """
     if total_updates < 1 or every < 1 or size < 0:
         raise InvalidArgument("total_updates and every must be positive, size non-negative")
     saves = [(u, "full") for u in range(every, total_updates + 1, every)]
@@ -119,9 +124,11 @@ def disk_plan(policy: Retention, *, total_updates: int, every: int, size: int, p
     milestones = [parse_generation_name(n)[0] for n in names
                   if policy.milestone_every and parse_generation_name(n)[1] == "full"
                   and parse_generation_name(n)[0] % policy.milestone_every == 0]
+    spans = (2 + len(milestones)) * shared
     return {"saves": len(saves), "milestones": milestones, "kept_at_end": names,
-            "peak_bytes": peak + best_slot + pinned_bytes, "final_bytes": final + best_slot + pinned_bytes,
-            "upper_bound_bytes": (policy.keep_last + len(milestones) + 1) * size + best_slot + pinned_bytes}
+            "peak_bytes": peak + best_slot + pinned_bytes + spans, "final_bytes": final + best_slot + pinned_bytes
+            + spans, "upper_bound_bytes": (policy.keep_last + len(milestones) + 1) * size + best_slot + pinned_bytes
+            + spans}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -133,7 +140,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if full is None:
             raise FileNotFoundError(f"no verified full generation in {args.directory} to size from; pass --size")
         manifest, _, manifest_size = read_manifest(store, full, key=life.key)
-        size = manifest_size + sum(f.size for f in manifest.files)
+        shared = sum(f.size for f in manifest.files if f.name in manifest.shares)
+        size = manifest_size + sum(f.size for f in manifest.files) - shared
+    else:
+        shared = 0
     pins = life.pins()
     pinned = 0
     for generation in set(pins.values()):
@@ -144,14 +154,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             continue
     report = disk_plan(policy, total_updates=args.total_updates, every=args.every or policy.milestone_every or 1,
                        size=size, pinned_bytes=pinned, weights_every=args.weights_every,
-                       weights_size=args.weights_size if args.weights_size is not None else size // 3)
-    report.update(policy=_policy_json(policy), policy_source=source, generation_bytes=size,
+                       weights_size=args.weights_size if args.weights_size is not None else size // 3, shared=shared)
+    report.update(policy=_policy_json(policy), policy_source=source, generation_bytes=size, shared_bytes=shared,
                   free_bytes=store.free_bytes())
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(f"policy ({source}): {_policy_json(policy)}")
-    print(f"generation size {size:,} B; {report['saves']} saves over {args.total_updates} updates")
+    print(f"generation size {size:,} B" + (f" of its own, {shared:,} B shared (stored once per span, counted "
+                                           "twice and once per milestone)" if shared else "")
+          + f"; {report['saves']} saves over {args.total_updates} updates")
     print(f"milestones kept: {report['milestones'] or 'none'}")
     print(f"peak disk (kept generations + one being staged{', + best' if policy.best else ''}"
           f"{', + pinned' if pinned else ''}): {report['peak_bytes']:,} B")

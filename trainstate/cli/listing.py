@@ -169,7 +169,8 @@ def _row(store: Store, key: SigningKey | None, name: str, full: bool, recovery: 
     try:
         v = verify_generation(store, name, content=full, key=key)
         row.update(size=v.manifest_size + sum(f.size for f in v.manifest.files), created=v.manifest.created,
-                   state="verified" if digests else "structure ok")
+                   state="verified" if digests else "structure ok",
+                   shared=sum(f.size for f in v.manifest.files if f.name in v.manifest.shares))
         manifest = v.manifest
     except (TrainStateError, OSError) as exc:
         row.update(size=None, created=None, state=f"INVALID: {exc}")
@@ -233,7 +234,9 @@ def aligned(header: list[str], rows: list[list[str]], right: set[int]) -> list[s
 def table(report: dict[str, Any]) -> list[str]:
     """The generations as an aligned table (newest first), then what the directory says besides."""
     header = ["generation", "update", "kind", "size", "created (UTC)", "marks", "state"]
-    rows = [[r["generation"], str(r["update"]), r["kind"], human_size(r["size"]), _short_time(r["created"]),
+    rows = [[r["generation"], str(r["update"]), r["kind"],
+             human_size(r["size"]) + (f" ({human_size(r['shared'])} shared)" if r.get("shared") else ""),
+             _short_time(r["created"]),
              ", ".join(r["marks"]), r["state"]] for r in report["generations"]]
     rows += [[e["name"], "-", "-", "-", "-", "", f"set aside: {ASIDE_WHY.get(e['reason'], e['reason'])}"]
              for e in report["set_aside"]]

@@ -213,7 +213,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     report = {
         "generation": manifest.generation, "kind": manifest.kind, "next_update": manifest.next_update,
         "created": manifest.created, "digest_algorithm": manifest.digest_algorithm,
-        "files": [{"name": f.name, "size": f.size} for f in manifest.files], "versions": manifest.versions,
+        "files": [{"name": f.name, "size": f.size, **({"shared_from": manifest.shares[f.name]}
+                                                       if f.name in manifest.shares else {})} for f in manifest.files],
+        "owned_bytes": sum(f.size for f in manifest.files if f.name not in manifest.shares),
+        "shared_bytes": sum(f.size for f in manifest.files if f.name in manifest.shares), "versions": manifest.versions,
         "parent": manifest.parent, "data": manifest.data, "metrics": manifest.metrics, "compute": manifest.compute,
         "clocks": state.get("clocks"), "counters": state.get("counters"), "facts": state.get("facts"),
         "contract": state.get("contract"), "history": state.get("history"),
@@ -236,6 +239,10 @@ def _inspect_lines(report: dict[str, Any], manifest: Any, states: dict[str, Any]
              f"created={report['created']}", f"clocks: {report['clocks']}  counters: {report['counters']}"]
     if report["parent"]:
         lines.append(f"parent: {report['parent']}")
+    if report["shared_bytes"]:  # an incremental generation: files linked from the generations that wrote them
+        lines.append(f"bytes: {report['owned_bytes']:,} its own, {report['shared_bytes']:,} shared ("
+                     + ", ".join(f"{f['name']} from {f['shared_from']}" for f in report["files"] if "shared_from" in f)
+                     + ")")
     if report["metrics"]:
         lines.append(f"metrics: {report['metrics']}")
     lines.append(inspecting.compute_line(report["compute"]))

@@ -24,6 +24,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="save with save(blocking=False): print 'staged <n>' when it returns, 'saved <n>' once published")
     p.add_argument("--slow-fsync", type=int, default=0, metavar="MS", dest="slow_fsync_ms",
                    help="a slower disk: every file fsync takes MS milliseconds longer (saves overlap training)")
+    p.add_argument("--full-every", type=int, default=None, metavar="N",
+                   help="incremental generations (CheckpointManager(full_every=N)), with a frozen component")
     p.add_argument("--mirror", default=None, metavar="URL",
                    help="mirror every generation to this object-store URL (storage options, JSON, in "
                         "$TRAINSTATE_DRILL_MIRROR_OPTIONS); print 'uploaded <n>' as the remote latest moves")

@@ -88,6 +88,7 @@ class DrillConfig:
     async_save: bool = False
     slow_fsync_ms: int = 0
     mirror: str | None = None  # an object-store URL the manager mirrors every generation to (mirror=)
+    full_every: int | None = None  # incremental generations (full_every=); adds a frozen 1.2 MB component to link
 
     def __post_init__(self) -> None:
         for name in ("total", "every", "width", "batch"):
@@ -99,6 +100,8 @@ class DrillConfig:
             raise InvalidArgument(f"DrillConfig.async_save must be a bool, got {self.async_save!r}")
         if type(self.slow_fsync_ms) is not int or self.slow_fsync_ms < 0:
             raise InvalidArgument(f"DrillConfig.slow_fsync_ms must be an int >= 0, got {self.slow_fsync_ms!r}")
+        if self.full_every is not None and (type(self.full_every) is not int or self.full_every < 1):
+            raise InvalidArgument(f"DrillConfig.full_every must be None or an int >= 1, got {self.full_every!r}")
         if self.mirror is not None and not isinstance(self.mirror, str):
             raise InvalidArgument(f"DrillConfig.mirror must be None or a URL, got {self.mirror!r}")
 
@@ -106,7 +109,8 @@ class DrillConfig:
         loader = [] if self.loader_workers is None else ["--loader-workers", str(self.loader_workers)]
         saving = (["--async-save"] if self.async_save else []) + (
             ["--slow-fsync", str(self.slow_fsync_ms)] if self.slow_fsync_ms else []) + (
-            ["--mirror", self.mirror] if self.mirror else [])
+            ["--mirror", self.mirror] if self.mirror else []) + (
+            ["--full-every", str(self.full_every)] if self.full_every else [])
         return ["--total", str(self.total), "--every", str(self.every), "--seed", str(self.seed),
                 "--width", str(self.width), "--batch", str(self.batch), *loader, *saving]
 
@@ -115,6 +119,8 @@ class DrillConfig:
         (index-addressed augmentation makes the data independent of it), nor is how the worker saves."""
         config = asdict(self)
         del config["loader_workers"], config["async_save"], config["slow_fsync_ms"], config["mirror"]
+        if config["full_every"] is None:
+            del config["full_every"]  # (contracts recorded before it existed stay the same)
         if self.loader_workers is None:
             return {"config": config}
         return {"config": config, "data": {"dataset": "drill-synthetic-v1", "samples": dataset_size(self)}}
@@ -262,8 +268,22 @@ def build(cfg: DrillConfig, directory: str | Path | None = None) -> TrainState:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
     rngs = {"data": torch.Generator().manual_seed(cfg.seed + 1), "noise": np.random.default_rng(cfg.seed + 2)}
     loader = {} if cfg.loader_workers is None else {"loader": build_loader(cfg, directory)}
+    frozen = {} if cfg.full_every is None else {"frozen": Frozen(torch.randn(300_000))}
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, rngs=rngs,
-                      contract=cfg.contract(), **loader)
+                      contract=cfg.contract(), **loader, **frozen)
+
+
+class Frozen:
+    """Weights no update changes (a frozen base): an incremental run links their file from save to save."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+    def load_state_dict(self, value: dict[str, torch.Tensor]) -> None:
+        self.weight.copy_(value["weight"])
 
 
 def train_step(state: TrainState, cfg: DrillConfig, batch: dict[str, torch.Tensor] | None = None) -> float:
@@ -409,7 +429,7 @@ def worker_main(args: argparse.Namespace) -> int:
     torch.use_deterministic_algorithms(True)
     cfg = DrillConfig(args.total, args.every, args.seed, args.width, args.batch, args.loader_workers,
                       bool(getattr(args, "async_save", False)), getattr(args, "slow_fsync_ms", 0) or 0,
-                      getattr(args, "mirror", None))
+                      getattr(args, "mirror", None), getattr(args, "full_every", None))
     state = build(cfg, args.dir)
     loader: ResumableLoader | None = state.components.get("loader")
     fresh = _fresh_states(state) if args.forget else None
@@ -422,7 +442,7 @@ def worker_main(args: argparse.Namespace) -> int:
             return 3
     slow = {"store": LocalStore(args.dir, ops=SlowFsync(cfg.slow_fsync_ms / 1000))} if cfg.slow_fsync_ms else {}
     mirror = {} if cfg.mirror is None else {"mirror": cfg.mirror, "mirror_options": mirror_options()}
-    with CheckpointManager(args.dir, keep_last=args.keep_last, **slow, **mirror) as ckpt:
+    with CheckpointManager(args.dir, keep_last=args.keep_last, full_every=cfg.full_every, **slow, **mirror) as ckpt:
         saver = _AsyncSaver(ckpt) if cfg.async_save else None
         info = ckpt.restore(state)
         uploads = Uploads(ckpt if cfg.mirror else None, _say)

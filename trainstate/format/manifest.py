@@ -16,6 +16,12 @@ hold generations of both, while a reader that predates a version refuses it
 rather than misreading ``{"$odict": ...}`` as a dict. 3 added the
 ``blake3-chunked`` digest (see :mod:`trainstate.format.digest`): each file
 record then lists its chunk digests, which must combine into its digest.
+4 added incremental generations: ``fingerprints`` (per tensor file, each
+tensor's dtype, shape and XXH3-128, see :mod:`trainstate.state.changes`) and
+``shares`` (the files that are the very files of an earlier generation,
+linked rather than written, by the generation they came from). A
+generation of format 4 is still self-describing: it lists every file it
+needs, each present in its own directory, with its own digests.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from .signing import SigningKey
 from .strictjson import loads
 
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+INCREMENTAL_VERSION = 4  # written by a manager with ``full_every`` (fingerprints and shares)
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 STATE = "state.json"
 POINTER = "latest"
@@ -114,12 +121,15 @@ class Manifest:
     world_size: int = 1  # ranks that wrote it; omitted for a single process
     ranks: list = field(default_factory=list)  # per rank, the files it wrote (multi-rank generations)
     compute: dict = field(default_factory=dict)  # {"devices": [...], "wall_s": float}; omitted when empty
+    fingerprints: dict = field(default_factory=dict)  # {tensor file: {tensor: [dtype, shape, xxh3]}} (format 4)
+    shares: dict = field(default_factory=dict)  # {file: the generation it was linked from} (format 4)
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
         data = {"format": "trainstate", **asdict(self)}
         data["files"] = [{k: (list(v) if k == "chunks" else v) for k, v in asdict(f).items()
                           if k != "chunks" or v} for f in self.files]
-        for optional in ("data", "metrics", "retention", "lineage", "run", "ranks", "compute"):
+        for optional in ("data", "metrics", "retention", "lineage", "run", "ranks", "compute", "fingerprints",
+                         "shares"):
             if not data[optional]:
                 del data[optional]
         if data["world_size"] == 1 and "ranks" not in data:
@@ -217,7 +227,7 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         "digest_algorithm": str, "files": list, "created": str, "contract_fingerprint": str,
         "versions": dict, "parent": (str, type(None)), "self_digest": str,
     }, {"signature": str, "data": dict, "metrics": dict, "retention": dict, "lineage": list, "run": str,
-        "world_size": int, "ranks": list, "compute": dict})
+        "world_size": int, "ranks": list, "compute": dict, "fingerprints": dict, "shares": dict})
     _check_common(where, raw, "trainstate")
     _check_compute(where, raw.get("compute", {}))
     if "run" in raw and not _HEX_RE.fullmatch(raw["run"]):
@@ -248,6 +258,7 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
     if len({f.name for f in files}) != len(files) or STATE not in {f.name for f in files}:
         raise CorruptGeneration(where, f"file list must be unique and include {STATE}")
     _check_ranks(where, raw, {f.name for f in files})
+    _check_incremental(where, raw, {f.name for f in files})
     del raw["format"], raw["self_digest"]
     raw.pop("signature", None)
     return Manifest(**{**raw, "files": tuple(files)})
@@ -277,6 +288,29 @@ def _check_ranks(where: str, raw: dict, files: set[str]) -> None:
     for listed in ranks:
         if type(listed) is not list or not all(type(f) is str and f in files for f in listed):
             raise CorruptGeneration(where, "a per-rank file list names files the manifest does not list")
+
+
+def _check_incremental(where: str, raw: dict, files: set[str]) -> None:
+    """Format 4: fingerprints of listed tensor files, each tensor in one file; shares of listed files, each
+    from an older generation."""
+    prints, shares = raw.get("fingerprints", {}), raw.get("shares", {})
+    if (prints or shares) and raw["format_version"] < INCREMENTAL_VERSION:
+        raise CorruptGeneration(where, f"fingerprints and shares need format_version {INCREMENTAL_VERSION}")
+    seen: set[str] = set()
+    for name, tensors in prints.items():
+        if name not in files or not name.endswith(".safetensors") or type(tensors) is not dict:
+            raise CorruptGeneration(where, f"fingerprints of {name!r:.60}, which is not a listed tensor file")
+        for tensor, value in tensors.items():
+            if tensor in seen or not (type(value) is list and len(value) == 3 and type(value[0]) is str
+                                      and type(value[1]) is list and all(type(n) is int and n >= 0 for n in value[1])
+                                      and type(value[2]) is str and re.fullmatch(r"[0-9a-f]{32}", value[2])):
+                raise CorruptGeneration(where, f"malformed fingerprint of tensor {tensor!r:.60} in {name!r:.60}")
+            seen.add(tensor)
+    own = parse_generation_name(raw["generation"])
+    for name, origin in shares.items():
+        theirs = parse_generation_name(origin) if type(origin) is str else None
+        if name not in files or name not in prints or theirs is None or own is None or theirs[0] > own[0]:
+            raise CorruptGeneration(where, f"share of {name!r:.60} from {origin!r:.60} is not an older tensor file")
 
 
 _DATA_FIELDS = {"epoch": int, "cursor": int, "batches_per_epoch": int, "samples_seen": int, "tokens_seen": int,

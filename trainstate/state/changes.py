@@ -18,9 +18,11 @@ change in practice:
   whoever holds them (a merged adapter, an EMA, a hand-edited embedding).
 
 A :class:`Fingerprint` is a tensor's dtype, shape and the 128-bit XXH3 of
-its bytes, taken piece by piece (``PIECE_BYTES``) on several threads
-(``xxhash`` releases the GIL; about 16 GB/s a core here, against about 3
-GB/s for BLAKE3). XXH3 is not the integrity digest: what is written is still
+its bytes, taken piece by piece (``PIECE_BYTES``): about 16 GB/s on one core
+here, against about 3 GB/s for BLAKE3. One thread by default: hashing on
+two threads here was slower than on one (python-xxhash holds the GIL for
+part of each call), and one core already reads memory about as fast as it
+comes. XXH3 is not the integrity digest: what is written is still
 digested with the manifest's BLAKE3 chunks, and what is referenced was
 verified when it was written and is verified again when it is read. XXH3
 answers one question only, "did these bytes change since we hashed them?";
@@ -38,7 +40,6 @@ restore needs are the same.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ import torch
 import xxhash
 
 PIECE_BYTES = 16 << 20  # one hashing task: small enough to spread a large tensor over every core
-THREADS = max(1, min(8, os.cpu_count() or 1))
+THREADS = 1  # see the module docstring; ``fingerprints(threads=N)`` spreads the pieces over N threads
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def _combine(hashes: list[bytes]) -> str:
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor], *, threads: int | None = None) -> dict[str, Fingerprint]:
-    """The fingerprint of every tensor, its pieces hashed on ``threads`` threads (default: one per core, ≤ 8)."""
+    """The fingerprint of every tensor, its pieces hashed on ``threads`` threads (default ``THREADS``)."""
     values = {name: _values(t) for name, t in tensors.items()}
     jobs = [(name, i, piece) for name, v in values.items() for i, piece in enumerate(_pieces(_bytes(v)))]
     hashed: dict[str, dict[int, bytes]] = {name: {} for name in values}

@@ -52,6 +52,12 @@ class Staging(Protocol):
         the backend may digest it after writing instead of beside the write.
         """
 
+    def link(self, file: str, generation: str, record: FileRecord) -> FileRecord | None:
+        """Stage ``file`` as the very same file of committed ``generation`` (recorded there as ``record``),
+        writing none of its bytes; ``None`` where this backend or this file cannot, and the caller writes it.
+        A linked file is immutable like every published file: its bytes are stored once however many
+        generations name it, and are gone only when the last of them is removed."""
+
     def commit(self) -> None:
         """Publish the staged files under the generation's final name, durably."""
 

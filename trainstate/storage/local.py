@@ -113,6 +113,21 @@ class LocalStaging:
             self._ops.close(fd)
         return FileRecord(file, size, digest, tuple(getattr(hasher, "chunks", ())))
 
+    def link(self, file: str, generation: str, record: FileRecord) -> FileRecord | None:
+        """Stage ``file`` as a hard link to the same file of committed ``generation``, whose manifest recorded
+        it as ``record``: no byte is written, and the bytes are stored once for both. ``None`` where it cannot
+        (the file is gone, is not a regular file of the recorded size, or the filesystem has no hard links):
+        the caller writes the file instead."""
+        source = self._store.root / generation / file
+        try:
+            st = os.lstat(source)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != record.size:
+                return None
+            self._ops.link(source, self.path / file)
+        except OSError:
+            return None
+        return record
+
     def _write_then_hash_during_sync(self, fd: int, views: Iterable[memoryview], hasher: Hasher) -> int:
         """Write every view at full speed, then digest the same (unchanged) views while fsync runs.
 

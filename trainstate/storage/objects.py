@@ -130,6 +130,10 @@ class ObjectStaging:
         digest = hasher.hexdigest()
         return FileRecord(file, size, digest, tuple(getattr(hasher, "chunks", ())))
 
+    def link(self, file: str, generation: str, record: FileRecord) -> FileRecord | None:
+        """No shared objects yet: an incremental save uploads every file of its generation (``None``)."""
+        return None
+
     def commit(self) -> None:
         """The create-only commit record: the one moment the generation becomes visible."""
         client, key = self._store.client, f"commits/{self.generation}"

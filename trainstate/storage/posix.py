@@ -60,6 +60,11 @@ class PosixOps:
     def replace(self, src: Path, dst: Path) -> None:
         os.replace(src, dst)
 
+    def link(self, src: Path, dst: Path) -> None:
+        """A second name for an existing file (a hard link; the link itself is durable once ``dst``'s directory
+        is fsynced)."""
+        os.link(src, dst, follow_symlinks=False)
+
     def unlink(self, path: Path) -> None:
         os.unlink(path)
 

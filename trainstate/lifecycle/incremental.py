@@ -1,0 +1,129 @@
+"""Incremental generations: a save writes the tensors that changed and links the files that did not.
+
+With ``CheckpointManager(..., full_every=N)``, each full generation records
+the fingerprint of every tensor (:mod:`trainstate.state.changes`) and lays its
+tensors out in files by what changes (:mod:`trainstate.state.parts`). The next
+save compares fingerprints with its parent's and *links* each parent file
+whose tensors are all unchanged: on a local filesystem a hard link, so the
+bytes are stored once, whatever number of generations name them, and are
+freed by the filesystem when the last generation naming them is removed
+(retention needs no reference counts a crash could tear: the link count is
+the filesystem's own). Every generation still lists every file it needs,
+with its digests, in its own directory: restore, verify, export, copy, diff
+and the mirror read it as any other.
+
+Sharing removes redundancy: one damaged shared file damages every generation
+that names it. So every ``N``-th generation along a timeline links nothing
+(it writes fresh copies of every file), and a restore that finds a damaged
+shared file falls back past every generation naming it to one with its own
+copy. ``shares`` in each manifest records, for each linked file, the
+generation that first wrote it, which ``trainstate verify`` and ``ls`` use to
+tell what is owned and what is shared.
+
+Backends that cannot link (object stores, for now) write every file: the
+generation is then self-contained, and correct, but not smaller.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CorruptGeneration
+from ..format import tensorfile
+from ..format.manifest import INCREMENTAL_VERSION, FileRecord, Manifest
+from ..format.signing import SigningKey
+from ..state import changes, parts
+from ..state.changes import Fingerprint
+from ..storage.base import Staging, Store
+from ..storage.verify import read_manifest
+
+log = logging.getLogger("trainstate")
+Counted = Any  # progress.counted(chunks, meter), passed in: this layer does not draw bars
+
+
+@dataclass
+class Plan:
+    """What one incremental save links and writes, decided before any byte is written."""
+
+    now: dict[str, Fingerprint]
+    layout: parts.Layout
+    parent: Manifest | None
+    written_bytes: int
+    shares: dict[str, str] = field(default_factory=dict)
+
+
+def fingerprints_of(manifest: Manifest) -> dict[str, dict[str, Fingerprint]]:
+    return {file: {n: Fingerprint.from_json(v) for n, v in prints.items()}
+            for file, prints in manifest.fingerprints.items()}
+
+
+def _manifest(store: Store, key: SigningKey | None, name: str | None) -> Manifest | None:
+    if name is None:
+        return None
+    try:
+        return read_manifest(store, name, None, key)[0]
+    except (OSError, CorruptGeneration) as exc:  # pruned, or damaged: this save links nothing from it
+        log.info("writing every tensor file: the parent %s cannot be read (%s)", name, exc)
+        return None
+
+
+def depth(store: Store, key: SigningKey | None, manifest: Manifest, limit: int) -> int:
+    """How many generations in a row, ending with ``manifest``, link files (at most ``limit``)."""
+    count = 0
+    current: Manifest | None = manifest
+    while current is not None and current.shares and count < limit:
+        count += 1
+        current = _manifest(store, key, current.parent)
+    return count
+
+
+def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor], parent: str | None,
+         full_every: int, now: dict[str, Fingerprint] | None = None) -> Plan:
+    """Fingerprint ``tensors``, read the parent's, and lay the generation out (see :mod:`trainstate.state.parts`).
+
+    The generation links nothing (it is self-contained) when the ``full_every - 1`` generations before it
+    all link files, or when the parent has no fingerprints (an older format, or saved without
+    ``full_every``).
+    """
+    now = now if now is not None else changes.fingerprints(tensors)
+    manifest = _manifest(store, key, parent)
+    previous = fingerprints_of(manifest) if manifest is not None and manifest.fingerprints else None
+    link = previous is not None and depth(store, key, manifest, full_every) + 1 < full_every
+    layout = parts.plan(now, {n: t.nbytes for n, t in tensors.items()}, previous, link=link)
+    written = sum(tensors[n].nbytes for names in layout.written.values() for n in names)
+    return Plan(now, layout, manifest if link else None, written)
+
+
+def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor],
+          counted: Any, stable: bool) -> tuple[list[FileRecord], dict[str, Any]]:
+    """Link and write the tensor files of ``p`` into ``staging``; their records and the manifest's format-4
+    fields. A file the backend cannot link is written after all."""
+    records: list[FileRecord] = []
+    written = dict(p.layout.written)
+    for file in p.layout.linked:
+        assert p.parent is not None
+        linked = staging.link(file, p.parent.generation, p.parent.file(file))
+        if linked is None:
+            written[file] = tuple(p.parent.fingerprints[file])
+            continue
+        records.append(linked)
+        p.shares[file] = p.parent.shares.get(file, p.parent.generation)  # where its bytes were first written
+    for file, names in written.items():
+        chosen = {n: tensors[n] for n in names}
+        layout = tensorfile.plan(chosen)
+        records.append(staging.write(file, counted(tensorfile.chunks(layout, chosen)), stable=stable,
+                                     size_hint=layout.size))
+    files = {file: names for file, names in written.items()}
+    files.update({file: tuple(p.parent.fingerprints[file]) for file in p.shares} if p.parent else {})
+    prints = {file: {n: p.now[n].to_json() for n in names} for file, names in files.items()}
+    return records, {"fingerprints": prints, "shares": dict(p.shares), "format_version": INCREMENTAL_VERSION}
+
+
+def unchanged(tensors_now: dict[str, Fingerprint], manifest: Manifest) -> bool:
+    """Whether ``manifest`` (format 4) holds exactly these tensors with these values."""
+    return parts.flatten(fingerprints_of(manifest)) == tensors_now
+
