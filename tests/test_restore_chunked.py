@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 import torch
@@ -199,7 +200,7 @@ def _manifest(run, generation="gen-000000000001"):
     return parse_manifest((run / generation / "manifest.json").read_bytes(), "m")
 
 
-@pytest.mark.parametrize("rewrite", [False, True])
+@pytest.mark.parametrize("rewrite", [False, True, "link"])
 def test_a_file_written_while_it_is_read_fails_the_read(tmp_path, rewrite):
     """Chunks are verified in the page cache and then copied: a write between the two is caught by the file's
     identity (the same byte written back moves its change time), and the restore path treats it as damage."""
@@ -212,7 +213,9 @@ def test_a_file_written_while_it_is_read_fails_the_read(tmp_path, rewrite):
 
     def on_bytes(n: int) -> None:
         seen.append(n)
-        if rewrite and len(seen) == 1:
+        if rewrite == "link" and len(seen) == 1:  # an incremental save linking it: its change time moves
+            os.link(path, tmp_path / "linked")
+        elif rewrite and len(seen) == 1:
             with open(path, "r+b") as f:  # same content, so every chunk still verifies
                 f.seek(200)
                 byte = f.read(1)
@@ -221,12 +224,12 @@ def test_a_file_written_while_it_is_read_fails_the_read(tmp_path, rewrite):
     progress = chunked.Progress()
     call = lambda: chunked.read_file(LocalStore(tmp_path, create=False), manifest, TENSORS, set(into), {},  # noqa: E731
                                      into=into, progress=progress, on_bytes=on_bytes, workers=1)
-    if rewrite:
+    if rewrite is True:
         with pytest.raises(ts.CorruptGeneration, match="written while it was being read"):
             call()
         assert progress.live_changed  # the caller marks the state unusable
     else:
-        call()  # the control: the same read with no write passes
+        call()  # the control: the same read with no write (or a new name for the file) passes
         assert _equal(_params(live), _params(_state(3)))
         assert sum(seen) == manifest.file(TENSORS).size
 

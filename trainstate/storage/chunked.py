@@ -291,8 +291,13 @@ def _positional(stream: BinaryIO) -> int | None:
         return None
 
 
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+def _moved(before: os.stat_result, after: os.stat_result) -> bool:
+    """Whether the file may have been written between two stats: its inode, size, modification or change time
+    moved. A change time that moved with the link count is a generation linking or releasing the file (an
+    incremental save, a prune), not a write: a write moves the modification time too."""
+    if (before.st_ino, before.st_size, before.st_mtime_ns) != (after.st_ino, after.st_size, after.st_mtime_ns):
+        return True
+    return before.st_ctime_ns != after.st_ctime_ns and before.st_nlink == after.st_nlink
 
 
 def _mapped_chunks(fd: int, record: FileRecord, targets: list[_Target], where: str, algorithm: str,
@@ -320,7 +325,7 @@ def _mapped_chunks(fd: int, record: FileRecord, targets: list[_Target], where: s
         progress.chunk_done(hi - lo, on_bytes)
 
     _in_order_on_threads(count, max(1, min(workers, count)), one, "trainstate-chunks")
-    if _identity(os.fstat(fd)) != _identity(before):
+    if _moved(before, os.fstat(fd)):
         raise CorruptGeneration(where, "was written while it was being read (its size or change time moved); "
                                        "nothing read from it is trusted")
 
