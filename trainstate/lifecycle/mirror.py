@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CorruptGeneration, ExistingRun, TrainStateError
-from ..format.manifest import (MANIFEST, POINTER, RUN, generation_order,
+from ..format.manifest import (MANIFEST, POINTER, RUN, FileRecord, Manifest, generation_order,
                                parse_generation_name, parse_run)
 from ..format.signing import SigningKey
 from ..progress import OnBytes
@@ -74,6 +74,8 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
     staging = dst.begin(name)
     try:
         for record in manifest.files:
+            if record.name in manifest.shares and _link_held(dst, staging, manifest, record, key):
+                continue  # the destination holds these bytes already: linked or copied there, not sent
             with src.open(name, record.name) as stream:
                 written = staging.write(record.name, _blocks(stream, on_bytes),
                                         algorithm=manifest.digest_algorithm, size_hint=record.size)
@@ -86,6 +88,21 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
         staging.abort()
         raise
     return verify_generation(dst, name, content=False, key=key)
+
+
+def _link_held(dst: Store, staging: Any, manifest: Manifest, record: FileRecord, key: SigningKey | None) -> bool:
+    """An incremental generation's shared file, staged from the copy the destination already holds (its parent's,
+    or the generation that first wrote it), when that copy's manifest records the same size and digest."""
+    for holder in dict.fromkeys(g for g in (manifest.parent, manifest.shares[record.name]) if g is not None):
+        try:
+            theirs = read_manifest(dst, holder, None, key)[0]
+            held = next((f for f in theirs.files if f.name == record.name), None)
+        except (OSError, TrainStateError):
+            continue
+        if held is not None and (held.size, held.digest) == (record.size, record.digest) and (
+                staging.link(record.name, holder, held) is not None):
+            return True
+    return False
 
 
 def _blocks(stream: Any, on_bytes: OnBytes | None = None) -> Iterator[bytes]:

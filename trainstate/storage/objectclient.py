@@ -124,6 +124,15 @@ class Client:
                                                                  use_multipart=False))
         return result["e_tag"] or ""
 
+    def copy(self, source: str, key: str) -> None:
+        """A server-side copy of object ``source`` to ``key`` (no byte passes through this client)."""
+        import obstore
+
+        try:
+            self._call("copying", key, lambda: obstore.copy(self.store, source, key))
+        except Missing:
+            raise FileNotFoundError(f"{self.url}/{source}") from None
+
     def put_stream(self, key: str, views: Iterator[memoryview], part_size: int) -> None:
         """Upload what ``views`` yields: one request when it all fits in a part, else a multipart upload."""
         import obstore

@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
-from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, RunDirectoryGone
+from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, RunDirectoryGone, TrainStateError
 from ..format.digest import new_hasher
 from ..format.manifest import MANIFEST, MAX_JSON_BYTES, POINTER, WEIGHTS_POINTER, FileRecord, newest_first
 from .objectclient import Client, Missing, Precondition, Taken
@@ -131,8 +131,23 @@ class ObjectStaging:
         return FileRecord(file, size, digest, tuple(getattr(hasher, "chunks", ())))
 
     def link(self, file: str, generation: str, record: FileRecord) -> FileRecord | None:
-        """No shared objects yet: an incremental save uploads every file of its generation (``None``)."""
-        return None
+        """A server-side copy of the same file of committed ``generation``: none of its bytes is uploaded
+        (an object store stores the copy again; each generation's objects stay its own). ``None`` where the
+        source is gone, is not the recorded size, or the store refuses the copy (S3 copies at most 5 GB in
+        one request): the caller uploads the file instead."""
+        client = self._store.client
+        attempt = self._store._attempt_or_none(generation)
+        source = f"attempts/{attempt}/{file}"
+        try:
+            if attempt is None or client.head(source) != record.size:
+                return None
+            client.copy(source, self.prefix + file)
+        except (OSError, TrainStateError):
+            return None
+        if client.head(self.prefix + file) != record.size:
+            raise CorruptGeneration(f"{self.generation}/{file}", f"a server-side copy of {generation}/{file} "
+                                    "landed with another size; the attempt was abandoned")
+        return record
 
     def commit(self) -> None:
         """The create-only commit record: the one moment the generation becomes visible."""
