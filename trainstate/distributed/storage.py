@@ -281,6 +281,11 @@ class Reader(StorageReader):
                 for name, requests in entries.items():
                     if name not in index:
                         raise CorruptGeneration(where, f"has no entry {name!r:.80}")
+                    target = _whole_target(index[name], requests, planner)
+                    if target is not None:  # verified already: straight into the live tensor, one copy
+                        tensorfile.read_tensor_into(stream, layout, index[name], where, target)
+                        planner.commit_tensor(requests[0], target)
+                        continue
                     tensor = tensorfile.read_tensor(stream, layout, index[name], where)
                     for request in requests:
                         self._deliver(request, tensor, planner, where)
@@ -342,14 +347,29 @@ class Reader(StorageReader):
         return False
 
 
+def _whole_request(entry: Any, requests: list) -> Any:
+    """The one tensor request that reads ``entry`` whole, or None."""
+    if len(requests) != 1 or requests[0].type == LoadItemType.BYTE_IO or any(requests[0].storage_offsets):
+        return None
+    return requests[0] if tuple(requests[0].lengths) == tuple(entry.shape) else None
+
+
 def _whole_targets(index: dict[str, Any], entries: dict[str, list], planner: Any) -> dict[str, torch.Tensor] | None:
     """Each entry's live destination, when every entry is read whole by exactly one tensor request; else None."""
     into = {}
     for name, requests in entries.items():
-        if len(requests) != 1 or requests[0].type == LoadItemType.BYTE_IO:
-            return None
-        request, entry = requests[0], index[name]
-        if any(requests[0].storage_offsets) or tuple(request.lengths) != tuple(entry.shape):
+        request = _whole_request(index[name], requests)
+        if request is None:
             return None
         into[name] = planner.resolve_tensor(request).detach()
     return into
+
+
+def _whole_target(entry: Any, requests: list, planner: Any) -> torch.Tensor | None:
+    """The live tensor one request reads ``entry`` whole into, if it can take the bytes directly (contiguous,
+    on the CPU, of the entry's dtype and shape)."""
+    request = _whole_request(entry, requests)
+    if request is None:
+        return None
+    target = planner.resolve_tensor(request).detach()
+    return target if chunked.fits(target, entry) else None

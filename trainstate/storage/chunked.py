@@ -324,7 +324,7 @@ def _mapped_chunks(fd: int, record: FileRecord, targets: list[_Target], where: s
         _one_chunk(fd, record, index, lo, hi, targets, where, algorithm, progress)
         progress.chunk_done(hi - lo, on_bytes)
 
-    _in_order_on_threads(count, max(1, min(workers, count)), one, "trainstate-chunks")
+    in_order_on_threads(count, max(1, min(workers, count)), one, "trainstate-chunks")
     if _moved(before, os.fstat(fd)):
         raise CorruptGeneration(where, "was written while it was being read (its size or change time moved); "
                                        "nothing read from it is trusted")
@@ -424,10 +424,10 @@ def _ranged_chunks(spans: SpanReader, record: FileRecord, targets: list[_Target]
             _place(_overlapping(targets, c_lo, c_hi), c_lo, c_hi, chunk, progress)
             progress.chunk_done(c_hi - c_lo, on_bytes)
 
-    _in_order_on_threads(len(runs), max(1, min(FETCHERS, len(runs))), one, "trainstate-fetch")
+    in_order_on_threads(len(runs), max(1, min(FETCHERS, len(runs))), one, "trainstate-fetch")
 
 
-def _in_order_on_threads(count: int, threads: int, one: Callable[[int], None], name: str) -> None:
+def in_order_on_threads(count: int, threads: int, one: Callable[[int], None], name: str) -> None:
     """``one(0)``, ``one(1)``, ... on ``threads`` threads, each taking the next; after a failure no thread takes
     another, and once those under way end, the failure of the lowest index is raised."""
     order = itertools.count()

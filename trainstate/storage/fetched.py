@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 from typing import Any
 
 from ..errors import CorruptGeneration, TrainStateError
 from ..format.digest import CHUNK_BYTES, CHUNKED, chunk_digest, digest_bytes
 from ..format.manifest import MANIFEST, FileRecord, Manifest
 from .base import pinned
+from .chunked import FETCHERS, in_order_on_threads
 from .streams import SeekableReader
 
 REQUEST_BYTES = 16 << 20  # one ranged GET: big enough to stream at full speed, small enough to run several at once
@@ -40,6 +42,7 @@ class Fetched:
         self._files: dict[tuple[str, str], _Sparse] = {}
         self._small: dict[tuple[str, str], bytes] = {}  # manifests, read whole once
         self.requested = 0  # bytes asked of the store: what the restore downloaded
+        self._lock = threading.Lock()
         self._pin = pinned(store)  # each commit record read once during the restore
         self._pin.__enter__()
 
@@ -74,12 +77,23 @@ class Fetched:
             self.put_chunk(manifest, name, 0, data)
             return
         requests = _requests(chunks, record.size)
-        for (begin, end), data in zip(requests, self._download(manifest.generation, name, requests)):
+        where = f"{manifest.generation}/{name}"
+        got: list[memoryview | None] = [None] * len(requests)
+
+        def one(at: int) -> None:  # each request verified by the thread that fetched it, beside the others' GETs
+            begin, end = requests[at]
+            data = self._download(manifest.generation, name, [(begin, end)])[0]
             if len(data) != end - begin:
-                raise CorruptGeneration(f"{manifest.generation}/{name}",
-                                        f"{len(data)} bytes where {end - begin} were expected (truncated?)")
+                raise CorruptGeneration(where, f"{len(data)} bytes where {end - begin} were expected (truncated?)")
             for offset in range(0, len(data), CHUNK_BYTES):
-                self.put_chunk(manifest, name, (begin + offset) // CHUNK_BYTES, data[offset:offset + CHUNK_BYTES])
+                _check(record, (begin + offset) // CHUNK_BYTES, data[offset:offset + CHUNK_BYTES], where)
+            got[at] = data
+
+        in_order_on_threads(len(requests), max(1, min(FETCHERS, len(requests))), one, "trainstate-fetch")
+        sparse = self._files.setdefault((manifest.generation, name), _Sparse(record.size))
+        for (begin, _), data in zip(requests, got):
+            for offset in range(0, len(data), CHUNK_BYTES):
+                sparse.chunks[(begin + offset) // CHUNK_BYTES] = data[offset:offset + CHUNK_BYTES]
 
     def put_chunk(self, manifest: Manifest, name: str, index: int, data: memoryview | bytes) -> None:
         """Keep a chunk (of an older format's file: the whole file) once it verified against the manifest,
@@ -104,7 +118,8 @@ class Fetched:
         return sparse.chunks[index]
 
     def _download(self, generation: str, name: str, spans: list[tuple[int, int]]) -> list[memoryview]:
-        self.requested += sum(e - b for b, e in spans)
+        with self._lock:  # (several fetching threads)
+            self.requested += sum(e - b for b, e in spans)
         return self._store.read_ranges(generation, name, spans)
 
     def fetched(self, generation: str, name: str) -> bool:
