@@ -206,6 +206,7 @@ class Publisher:
         self.after_publish: Callable[[str], None] | None = None  # told each published name (a mirror's uploader)
         self.progress: bool | None = False  # a byte bar on stderr while the tensors are written (None: on a tty)
         self.full_every: int | None = None  # incremental generations, one self-contained in every N (or None)
+        self.known: dict[str, tuple[Manifest, int]] = {}  # the last generation staged here, for the next save
 
     def publish(self, p: Pending) -> GenerationInfo:
         """Publish ``p``: durable, verified and named by its pointer when this returns.
@@ -434,7 +435,8 @@ class Publisher:
             state_json = snapshot.state_json(p.skeleton)
             extra: dict[str, Any] = {}
             if self.full_every is not None and p.kind == "full":  # written by what changed, the rest linked
-                plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints)
+                plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints,
+                                        self.known)
                 meter = progress.optional(len(state_json) + plan.written_bytes, f"save {p.name}", self.progress)
                 files, extra = incremental.write(staging, plan, p.tensors,
                                                  lambda chunks: progress.counted(chunks, meter), stable)
@@ -454,6 +456,8 @@ class Publisher:
             manifest_bytes = manifest.to_bytes(self.key)
             staging.write(MANIFEST, [manifest_bytes])
             staging.commit()
+            if extra:  # the next save's parent, most likely: its fingerprints and depth without a read
+                self.known = {p.name: (manifest, plan.depth + 1 if manifest.shares else 0)}
         except BaseException:
             staging.abort()
             raise

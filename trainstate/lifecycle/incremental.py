@@ -53,6 +53,7 @@ class Plan:
     layout: parts.Layout
     parent: Manifest | None
     written_bytes: int
+    depth: int  # generations in a row that link files, ending with the parent (0: the parent links none)
     shares: dict[str, str] = field(default_factory=dict)
 
 
@@ -82,20 +83,26 @@ def depth(store: Store, key: SigningKey | None, manifest: Manifest, limit: int) 
 
 
 def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor], parent: str | None,
-         full_every: int, now: dict[str, Fingerprint] | None = None) -> Plan:
+         full_every: int, now: dict[str, Fingerprint] | None = None,
+         known: dict[str, tuple[Manifest, int]] | None = None) -> Plan:
     """Fingerprint ``tensors``, read the parent's, and lay the generation out (see :mod:`trainstate.state.parts`).
 
     The generation links nothing (it is self-contained) when the ``full_every - 1`` generations before it
     all link files, or when the parent has no fingerprints (an older format, or saved without
-    ``full_every``).
+    ``full_every``). ``known``: manifests this process published, with their depth, by name (read from the
+    store otherwise).
     """
     now = now if now is not None else changes.fingerprints(tensors)
-    manifest = _manifest(store, key, parent)
+    if known is not None and parent in known:
+        manifest, chain = known[parent]
+    else:
+        manifest = _manifest(store, key, parent)
+        chain = depth(store, key, manifest, full_every) if manifest is not None else 0
     previous = fingerprints_of(manifest) if manifest is not None and manifest.fingerprints else None
-    link = previous is not None and depth(store, key, manifest, full_every) + 1 < full_every
+    link = previous is not None and chain + 1 < full_every
     layout = parts.plan(now, {n: t.nbytes for n, t in tensors.items()}, previous, link=link)
     written = sum(tensors[n].nbytes for names in layout.written.values() for n in names)
-    return Plan(now, layout, manifest if link else None, written)
+    return Plan(now, layout, manifest if link else None, written, chain)
 
 
 def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor],
