@@ -159,6 +159,8 @@ def test_a_write_to_the_frozen_base_is_never_skipped(tmp_path, how, monkeypatch)
                 for n, t in tensors.items()}
 
     monkeypatch.setattr(changes, "fingerprints", by_pointer)
+    from trainstate.lifecycle import incremental  # (its check of a file before linking would notice the garbage)
+    monkeypatch.setattr(incremental, "intact", lambda *a, **k: True)
     control = tmp_path / "control"
     _, saved = _train(control, 4, every=write)
     fresh = _state(seed=9)
@@ -283,3 +285,31 @@ def test_an_object_store_and_a_mirror_upload_only_what_changed(tmp_path, moto_se
         with ts.CheckpointManager(source, **extra) as ckpt:
             assert ckpt.restore(fresh).generation.name == name
         assert _equal(_values(fresh), saved[name])
+
+
+def test_a_part_damaged_before_a_save_is_written_afresh_not_linked(tmp_path, caplog):
+    """A save never passes on damage: the part it would link is checked first (its header chunk by digest, its
+    tensors by fingerprint; once per process until the file's size or modification time moves), and a damaged
+    one is written again from the live tensors, so the new generation restores bitwise."""
+    run = tmp_path / "run"
+    state = _state()
+    with ts.CheckpointManager(run, keep_last=10, full_every=10) as ckpt:
+        for _ in range(3):
+            _step(state)
+            ckpt.save(state)
+        newest = ckpt.latest()
+        part = next(p for p in (run / newest).glob(f"{BASE}*"))
+        data = bytearray(part.read_bytes())
+        data[-11] ^= 0x10
+        os.chmod(part, 0o644)
+        part.write_bytes(bytes(data))
+        _step(state)
+        with caplog.at_level("WARNING", logger="trainstate"):
+            info = ckpt.save(state)
+        expected = _values(state)
+    assert "shares" not in _manifest(run, info.name) and "not linking" in caplog.text
+    assert os.stat(run / info.name / part.name).st_ino != part.stat().st_ino
+    fresh = _state(seed=9)
+    with ts.CheckpointManager(run) as ckpt:
+        assert ckpt.restore(fresh).generation.name == info.name
+    assert _equal(_values(fresh), expected)

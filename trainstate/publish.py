@@ -207,6 +207,7 @@ class Publisher:
         self.progress: bool | None = False  # a byte bar on stderr while the tensors are written (None: on a tty)
         self.full_every: int | None = None  # incremental generations, one self-contained in every N (or None)
         self.known: dict[str, tuple[Manifest, int]] = {}  # the last generation staged here, for the next save
+        self.checked: dict[tuple[int, int], tuple[int, int]] = {}  # part files found intact (incremental.intact)
 
     def publish(self, p: Pending) -> GenerationInfo:
         """Publish ``p``: durable, verified and named by its pointer when this returns.
@@ -438,8 +439,8 @@ class Publisher:
                 plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints,
                                         self.known)
                 meter = progress.optional(len(state_json) + plan.written_bytes, f"save {p.name}", self.progress)
-                files, extra = incremental.write(staging, plan, p.tensors,
-                                                 lambda chunks: progress.counted(chunks, meter), stable)
+                files, extra = incremental.write(staging, plan, p.tensors, lambda chunks: progress.counted(
+                    chunks, meter), stable, self.store, self.checked)
                 files.insert(0, staging.write(STATE, progress.counted([state_json], meter)))
             else:
                 layout = tensorfile.plan(p.tensors)

@@ -26,10 +26,14 @@ generation is then self-contained, and correct, but not smaller.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CorruptGeneration
@@ -38,6 +42,7 @@ from ..format.manifest import INCREMENTAL_VERSION, FileRecord, Manifest
 from ..format.signing import SigningKey
 from ..state import changes, parts
 from ..state.changes import Fingerprint
+from ..storage import chunked
 from ..storage.base import Staging, Store
 from ..storage.verify import read_manifest
 
@@ -105,15 +110,55 @@ def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor],
     return Plan(now, layout, manifest if link else None, written, chain)
 
 
-def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor],
-          counted: Any, stable: bool) -> tuple[list[FileRecord], dict[str, Any]]:
+def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int, int], tuple[int, int]]) -> bool:
+    """Whether ``manifest``'s local file still holds the tensors its fingerprints record, before a save links
+    it: a file damaged since it was written would otherwise pass its damage on to a generation whose state was
+    whole in memory. The header's chunk is checked against its BLAKE3 digest and every tensor's bytes against
+    its XXH3 fingerprint (memory speed, from the page cache). ``checked``: files this process already found
+    intact, by device and inode, with their size and modification time then: a file checked once is not read
+    again until one of them moves (a write moves the modification time). A remote file is not read (that would
+    download it): the server copies its own bytes, and a restore checks every chunk."""
+    record, where = manifest.file(file), f"{manifest.generation}/{file}"
+    prints = {n: Fingerprint.from_json(v) for n, v in manifest.fingerprints[file].items()}
+    with store.open(manifest.generation, file) as stream:
+        fd = chunked.positional(stream)
+        if fd is None:
+            return True
+        st = os.fstat(fd)
+        if checked.get((st.st_dev, st.st_ino)) == (st.st_size, st.st_mtime_ns):
+            return True
+        try:
+            layout = chunked.verified_header(stream, record, where, manifest.digest_algorithm)
+            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) if record.size else contextlib.nullcontext() as mapped:
+                data = np.frombuffer(mapped, np.uint8) if record.size else np.empty(0, np.uint8)
+                ok = {e.name for e in layout.entries} == set(prints) and all(
+                    changes.of_bytes(data[layout.data_start + e.begin:layout.data_start + e.end],
+                                     str(e.dtype).removeprefix("torch."), tuple(e.shape)) == prints[e.name]
+                    for e in layout.entries)
+                del data
+        except (CorruptGeneration, ValueError, OSError) as exc:
+            log.warning("not linking %s: %s", where, exc)
+            return False
+    if ok:
+        checked[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns)
+    else:
+        log.warning("not linking %s: its bytes no longer match the fingerprints recorded when it was written "
+                    "(damaged on disk); this save writes the file afresh. Every generation naming it is damaged: "
+                    "`trainstate verify` lists them", where)
+    return ok
+
+
+def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: Any, stable: bool,
+          store: Store, checked: dict[tuple[int, int], tuple[int, int]]) -> tuple[list[FileRecord], dict[str, Any]]:
     """Link and write the tensor files of ``p`` into ``staging``; their records and the manifest's format-4
-    fields. A file the backend cannot link is written after all."""
+    fields. A file the backend cannot link, or that no longer holds what was recorded (:func:`intact`), is
+    written after all."""
     records: list[FileRecord] = []
     written = dict(p.layout.written)
     for file in p.layout.linked:
         assert p.parent is not None
-        linked = staging.link(file, p.parent.generation, p.parent.file(file))
+        linked = staging.link(file, p.parent.generation, p.parent.file(file)) if intact(
+            store, p.parent, file, checked) else None
         if linked is None:
             written[file] = tuple(p.parent.fingerprints[file])
             continue

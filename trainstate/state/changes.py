@@ -115,6 +115,11 @@ def fingerprints(tensors: Mapping[str, torch.Tensor], *, threads: int | None = N
             for name, v in values.items()}
 
 
+def of_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Fingerprint:
+    """The fingerprint of a tensor whose values are the row-major bytes ``data`` (a region of a stored file)."""
+    return Fingerprint(dtype, tuple(shape), _combine([xxhash.xxh3_128(piece).digest() for piece in _pieces(data)]))
+
+
 def changed(now: Mapping[str, Fingerprint], before: Mapping[str, Fingerprint]) -> set[str]:
     """The names whose value differs from ``before`` (a name ``before`` lacks counts as changed)."""
     return {name for name, print_ in now.items() if before.get(name) != print_}

@@ -243,7 +243,7 @@ def read_file(store: Store, manifest: Manifest, name: str, wanted: set[str], ten
     progress = progress if progress is not None else Progress()
     with store.open(manifest.generation, name) as opened:
         # a stream (an object store) keeps the header chunk it verifies: the pass below re-reads it from memory
-        keeps = _positional(opened) is not None or getattr(opened, "keeps_reads", False)  # (a lent stream forwards)
+        keeps = positional(opened) is not None or getattr(opened, "keeps_reads", False)  # (a lent stream forwards)
         stream = opened if keeps else Rewindable(opened)
         _advise_sequential(stream)
         layout = _held_header(store, stream, manifest, name)
@@ -272,7 +272,7 @@ def read_file(store: Store, manifest: Manifest, name: str, wanted: set[str], ten
 def _stream_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target], where: str, algorithm: str,
                    progress: Progress, workers: int, on_bytes: OnBytes | None = None) -> None:
     """Verify every chunk of the file and copy each to the targets it overlaps, on ``workers`` threads."""
-    fd = _positional(stream)
+    fd = positional(stream)
     spans = _span_reader(stream) if fd is None else None
     if spans is not None:
         _ranged_chunks(spans, record, targets, where, algorithm, progress, on_bytes)
@@ -282,7 +282,7 @@ def _stream_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target],
         _mapped_chunks(fd, record, targets, where, algorithm, progress, workers, on_bytes)
 
 
-def _positional(stream: BinaryIO) -> int | None:
+def positional(stream: BinaryIO) -> int | None:
     """The descriptor of a local regular file that threads can map at offsets; None for a stream."""
     try:
         fd = stream.fileno()
