@@ -313,3 +313,16 @@ def test_a_part_damaged_before_a_save_is_written_afresh_not_linked(tmp_path, cap
     with ts.CheckpointManager(run) as ckpt:
         assert ckpt.restore(fresh).generation.name == info.name
     assert _equal(_values(fresh), expected)
+
+
+def test_retention_too_short_for_a_fallback_is_warned_about(tmp_path, caplog):
+    """With keep_last <= full_every every kept generation may name one part file: a warning says so (once per
+    setting); keep_last > full_every keeps a generation of the previous span, with its own copy."""
+    from trainstate.lifecycle import incremental
+
+    incremental._WARNED.clear()
+    with caplog.at_level("WARNING", logger="trainstate"):
+        _train(tmp_path / "long", 2, full_every=4, keep_last=5)
+        assert "no fallback" not in caplog.text
+        _train(tmp_path / "short", 3, full_every=4, keep_last=2)
+    assert caplog.text.count("no fallback with its own copy") == 1

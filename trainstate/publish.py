@@ -436,6 +436,7 @@ class Publisher:
             state_json = snapshot.state_json(p.skeleton)
             extra: dict[str, Any] = {}
             if self.full_every is not None and p.kind == "full":  # written by what changed, the rest linked
+                incremental.warn_short_retention(self.retention.keep_last, self.full_every)
                 plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints,
                                         self.known)
                 meter = progress.optional(len(state_json) + plan.written_bytes, f"save {p.name}", self.progress)

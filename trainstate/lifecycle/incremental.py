@@ -62,6 +62,20 @@ class Plan:
     shares: dict[str, str] = field(default_factory=dict)
 
 
+_WARNED: set[tuple[int, int]] = set()
+
+
+def warn_short_retention(keep_last: int, full_every: int) -> None:
+    """Once per process and setting: with ``keep_last <= full_every`` every kept generation may name the same
+    part files, and one damaged part would leave no generation with its own copy to fall back to."""
+    if keep_last > full_every or (keep_last, full_every) in _WARNED:
+        return
+    _WARNED.add((keep_last, full_every))
+    log.warning("keep_last=%d with full_every=%d: every kept generation may link the same part files, so one damaged "
+                "part would leave no fallback with its own copy. Keep more than full_every generations (keep_last=%d), "
+                "or save a self-contained one more often", keep_last, full_every, full_every + 1)
+
+
 def fingerprints_of(manifest: Manifest) -> dict[str, dict[str, Fingerprint]]:
     return {file: {n: Fingerprint.from_json(v) for n, v in prints.items()}
             for file, prints in manifest.fingerprints.items()}
