@@ -287,17 +287,19 @@ def test_an_object_store_and_a_mirror_upload_only_what_changed(tmp_path, moto_se
         assert _equal(_values(fresh), saved[name])
 
 
-def test_a_part_damaged_before_a_save_is_written_afresh_not_linked(tmp_path, caplog):
+@pytest.mark.parametrize("digest", ["blake3-chunked", "blake3"])
+def test_a_part_damaged_before_a_save_is_written_afresh_not_linked(tmp_path, caplog, digest):
     """A save never passes on damage: the part it would link is checked first (its header chunk by digest, its
     tensors by fingerprint; once per process until the file's size or modification time moves), and a damaged
     one is written again from the live tensors, so the new generation restores bitwise."""
     run = tmp_path / "run"
     state = _state()
-    with ts.CheckpointManager(run, keep_last=10, full_every=10) as ckpt:
+    with ts.CheckpointManager(run, keep_last=10, full_every=10, digest=digest) as ckpt:
         for _ in range(3):
             _step(state)
             ckpt.save(state)
         newest = ckpt.latest()
+        assert "shares" in _manifest(run, newest)  # the control: an intact part is linked
         part = next(p for p in (run / newest).glob(f"{BASE}*"))
         data = bytearray(part.read_bytes())
         data[-11] ^= 0x10
@@ -326,3 +328,29 @@ def test_retention_too_short_for_a_fallback_is_warned_about(tmp_path, caplog):
         assert "no fallback" not in caplog.text
         _train(tmp_path / "short", 3, full_every=4, keep_last=2)
     assert caplog.text.count("no fallback with its own copy") == 1
+
+
+def test_the_lightning_plugin_links_a_frozen_base(tmp_path):
+    """``TrainStateCheckpointIO(full_every=...)``: Lightning's checkpoint dicts saved through the plugin link the
+    unchanged base like a TrainState does, and load back bitwise."""
+    pytest.importorskip("lightning")
+    from trainstate.integrations.lightning import TrainStateCheckpointIO
+
+    torch.manual_seed(0)
+    base, head = torch.randn(512, 512), torch.randn(4, 512)
+    plugin = TrainStateCheckpointIO(tmp_path / "run", keep_last=5, full_every=4)
+    saved = {}
+    for step in (1, 2, 3):
+        head = head + 1
+        checkpoint = {"global_step": step, "state_dict": {"base.weight": base, "head.weight": head.clone()},
+                      "optimizer_states": [{"state": {}, "param_groups": []}]}
+        path = tmp_path / f"step={step}.ckpt"
+        plugin.save_checkpoint(checkpoint, path)
+        saved[path] = checkpoint
+    plugin.teardown()
+    newest = max(p.name for p in (tmp_path / "run").glob("gen-*"))
+    assert "shares" in _manifest(tmp_path / "run", newest)
+    for path, checkpoint in saved.items():
+        loaded = TrainStateCheckpointIO(tmp_path / "run").load_checkpoint(path)
+        assert loaded["global_step"] == checkpoint["global_step"]
+        assert all(torch.equal(loaded["state_dict"][k], v) for k, v in checkpoint["state_dict"].items())

@@ -125,7 +125,8 @@ class TrainStateCheckpointIO(CheckpointIO):
     the directory of the first checkpoint path used (ModelCheckpoint's
     ``dirpath``), so the generations sit beside the ``.ckpt`` entries and
     ``trainstate ls DIR`` shows them. ``keep_last``/``retention``,
-    ``digest``, ``verify`` and ``signing_key`` are
+    ``digest``, ``verify``, ``signing_key`` and ``full_every`` (incremental
+    generations: a frozen base is linked, not rewritten) are
     :class:`~trainstate.CheckpointManager`'s; every generation an entry
     names is pinned (``lightning-<file>-<hash>``) so retention never prunes
     what Lightning still points at. ``last_restore`` holds the
@@ -134,10 +135,10 @@ class TrainStateCheckpointIO(CheckpointIO):
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
                  retention: Retention | None = None, digest: str = "blake3", verify: str = "fast",
-                 signing_key: SigningKey | bytes | str | None = None):
+                 signing_key: SigningKey | bytes | str | None = None, full_every: int | None = None):
         self.directory = None if directory is None else os.path.abspath(_local(directory))
         self._options: dict[str, Any] = {"keep_last": keep_last, "retention": retention, "digest": digest,
-                                         "verify": verify, "signing_key": signing_key}
+                                         "verify": verify, "signing_key": signing_key, "full_every": full_every}
         self._manager: CheckpointManager | None = None
         self._run: str | None = None
         self._holder = LightningCheckpoint()

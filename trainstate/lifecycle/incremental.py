@@ -26,7 +26,6 @@ generation is then self-contained, and correct, but not smaller.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
@@ -38,6 +37,7 @@ import torch
 
 from ..errors import CorruptGeneration
 from ..format import tensorfile
+from ..format.digest import digest_stream
 from ..format.manifest import INCREMENTAL_VERSION, FileRecord, Manifest
 from ..format.signing import SigningKey
 from ..state import changes, parts
@@ -125,15 +125,17 @@ def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor],
 
 
 def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int, int], tuple[int, int]]) -> bool:
-    """Whether ``manifest``'s local file still holds the tensors its fingerprints record, before a save links
-    it: a file damaged since it was written would otherwise pass its damage on to a generation whose state was
-    whole in memory. The header's chunk is checked against its BLAKE3 digest and every tensor's bytes against
-    its XXH3 fingerprint (memory speed, from the page cache). ``checked``: files this process already found
-    intact, by device and inode, with their size and modification time then: a file checked once is not read
-    again until one of them moves (a write moves the modification time). A remote file is not read (that would
-    download it): the server copies its own bytes, and a restore checks every chunk."""
+    """Whether ``manifest``'s local file still holds what was recorded, before a save links it: a file damaged
+    since it was written would otherwise pass its damage on to a generation whose state was whole in memory.
+
+    Under ``blake3-chunked`` the header's chunk is checked against its digest and every tensor's bytes against
+    its XXH3 fingerprint (memory speed, from the page cache); under a whole-file digest, the whole file.
+    ``checked``: files this process already found intact, by device and inode, with their size and
+    modification time then: a file checked once is not read again until one of them moves (a write moves the
+    modification time). A remote file is not read (that would download it): the server copies its own bytes,
+    and a restore checks every chunk.
+    """
     record, where = manifest.file(file), f"{manifest.generation}/{file}"
-    prints = {n: Fingerprint.from_json(v) for n, v in manifest.fingerprints[file].items()}
     with store.open(manifest.generation, file) as stream:
         fd = chunked.positional(stream)
         if fd is None:
@@ -142,24 +144,34 @@ def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int,
         if checked.get((st.st_dev, st.st_ino)) == (st.st_size, st.st_mtime_ns):
             return True
         try:
-            layout = chunked.verified_header(stream, record, where, manifest.digest_algorithm)
-            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) if record.size else contextlib.nullcontext() as mapped:
-                data = np.frombuffer(mapped, np.uint8) if record.size else np.empty(0, np.uint8)
-                ok = {e.name for e in layout.entries} == set(prints) and all(
-                    changes.of_bytes(data[layout.data_start + e.begin:layout.data_start + e.end],
-                                     str(e.dtype).removeprefix("torch."), tuple(e.shape)) == prints[e.name]
-                    for e in layout.entries)
-                del data
+            ok = _holds(stream, fd, manifest, record, where)
         except (CorruptGeneration, ValueError, OSError) as exc:
             log.warning("not linking %s: %s", where, exc)
             return False
     if ok:
         checked[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns)
     else:
-        log.warning("not linking %s: its bytes no longer match the fingerprints recorded when it was written "
-                    "(damaged on disk); this save writes the file afresh. Every generation naming it is damaged: "
+        log.warning("not linking %s: its bytes no longer match what was recorded when it was written (damaged on "
+                    "disk); this save writes the file afresh. Every generation naming it is damaged: "
                     "`trainstate verify` lists them", where)
     return ok
+
+
+def _holds(stream: Any, fd: int, manifest: Manifest, record: FileRecord, where: str) -> bool:
+    if not record.chunks:  # a whole-file digest (blake3, sha256): only the whole file can be checked
+        return digest_stream(stream, manifest.digest_algorithm, record.size) == (record.size, record.digest)
+    prints = {n: Fingerprint.from_json(v) for n, v in manifest.fingerprints[record.name].items()}
+    layout = chunked.verified_header(stream, record, where, manifest.digest_algorithm)
+    if {e.name for e in layout.entries} != set(prints):
+        return False
+    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped:  # (a tensor file is never empty: it has a header)
+        data = np.frombuffer(mapped, np.uint8)
+        try:
+            return all(changes.of_bytes(data[layout.data_start + e.begin:layout.data_start + e.end],
+                                        str(e.dtype).removeprefix("torch."), tuple(e.shape)) == prints[e.name]
+                       for e in layout.entries)
+        finally:
+            del data
 
 
 def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: Any, stable: bool,
