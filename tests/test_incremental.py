@@ -354,3 +354,24 @@ def test_the_lightning_plugin_links_a_frozen_base(tmp_path):
         loaded = TrainStateCheckpointIO(tmp_path / "run").load_checkpoint(path)
         assert loaded["global_step"] == checkpoint["global_step"]
         assert all(torch.equal(loaded["state_dict"][k], v) for k, v in checkpoint["state_dict"].items())
+
+
+def test_full_every_is_refused_under_torch_distributed(tmp_path):
+    """Multi-rank runs write every shard at every save for now: asking for incremental generations there is an
+    InvalidArgument that says so, not a silent full save (a one-rank gloo group in a child process)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import socket, torch.distributed as dist, trainstate as ts
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+try:
+    ts.CheckpointManager({str(tmp_path / "run")!r}, full_every=4)
+except ts.InvalidArgument as exc:
+    print("refused:", exc)
+finally:
+    dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "refused: full_every" in out.stdout and "single-process" in out.stdout, (out.stdout, out.stderr[-2000:])
