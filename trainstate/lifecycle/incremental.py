@@ -20,8 +20,12 @@ copy. ``shares`` in each manifest records, for each linked file, the
 generation that first wrote it, which ``trainstate verify`` and ``ls`` use to
 tell what is owned and what is shared.
 
-Backends that cannot link (object stores, for now) write every file: the
-generation is then self-contained, and correct, but not smaller.
+An object store links by a server-side copy: none of the bytes is uploaded
+again, but each generation keeps objects of its own (the store bills them).
+A backend that cannot link at all writes the file: the generation is then
+self-contained, and correct, but not smaller. Before a local file is
+linked it is checked (:func:`intact`), so damage on disk is never passed on
+to a generation whose state was whole in memory.
 """
 
 from __future__ import annotations
@@ -47,7 +51,6 @@ from ..storage.base import Staging, Store
 from ..storage.verify import read_manifest
 
 log = logging.getLogger("trainstate")
-Counted = Any  # progress.counted(chunks, meter), passed in: this layer does not draw bars
 
 
 @dataclass
