@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 from pathlib import Path
 
 import pytest
@@ -128,14 +127,10 @@ def test_train_state_holds_what_save_state_would_save_unwrapped(caplog):
     assert "net" in renamed.components and "model" not in renamed.components
 
 
-def readme_block(heading: str) -> str:
-    """The first python block of the README subsection ``### heading``."""
-    section = (HERE.parent / "README.md").read_text().split(f"### {heading}\n", 1)[1].split("\n### ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[0]
+def test_docs_example_runs_and_resumes_bitwise(tmp_path):
+    from docsite import runnable
 
-
-def test_readme_example_runs_and_resumes_bitwise(tmp_path):
-    example = readme_block("Accelerate")
+    example = runnable("accelerate-loop")  # docs/guides/frameworks.md
 
     def run(directory: str, total: int) -> dict:
         torch.manual_seed(0)

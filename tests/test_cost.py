@@ -374,11 +374,9 @@ def test_python_m_trainstate_cost_json_parses(tmp_path):
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")
-def test_the_readme_rates_example_is_a_valid_rates_file():
-    import re
+def test_the_docs_rates_example_is_a_valid_rates_file():
+    from docsite import runnable
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = re.search(r"### Cost estimate.*?```toml\n(.*?)```", readme, re.S)
-    assert block is not None
-    rates = costs.parse_rates(block[1].encode(), "README.toml")
+    block = runnable("rates-toml")  # docs/cli.md, `trainstate cost`
+    rates = costs.parse_rates(block.encode(), "rates.toml")
     assert rates.date == datetime.date(2026, 11, 1) and rates.tiers[1].min_retention_days == 90

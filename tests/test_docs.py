@@ -1,4 +1,5 @@
-"""The README is the front door: its example runs as written and CI runs its test command."""
+"""The README is the front door and the site holds the rest: their examples run as written, CI runs the
+README's test command, and the README keeps its two set-up commands and its loop (the same as the site's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from docsite import page, runnable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,9 +23,22 @@ def test_ci_runs_the_readme_test_command():
     assert "torch==2.13.0" in test_command.split("&&")[0]
 
 
+def test_readme_keeps_the_two_set_up_commands_and_the_sites_loop():
+    commands = [line for block in _blocks("sh") for line in block.splitlines()]
+    assert commands[:2] == [
+        "pip install torch==2.13.0 && pip install . && trainstate demo",
+        'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q -p no:cacheprovider']
+    assert next(b for b in _blocks("python") if "CheckpointManager" in b) == runnable("ten-line-loop")
+    site = re.findall(r"```sh\n(.*?)```", page("getting-started.md"), re.S)
+    assert site[:2] == _blocks("sh")[:2]  # the site's set-up is the README's
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\((docs/[^)#]+)", readme):  # every link into the site names a page
+        assert (ROOT / target).is_file(), target
+
+
 def test_usage_example_runs_and_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    example = next(b for b in _blocks("python") if "CheckpointManager" in b)
+    example = runnable("ten-line-loop")  # docs/getting-started.md, and the README's loop (above)
 
     def namespace():
         model = torch.nn.Linear(3, 2)
@@ -53,11 +68,12 @@ def test_usage_example_runs_and_resumes(tmp_path, monkeypatch):
 
 
 def test_data_position_example_resumes_bitwise(tmp_path, monkeypatch):
-    """The README's loader example, run straight to 300 updates and as 250 + resume: the same weights."""
+    """The site's loader example, run straight to 300 updates and as 250 + resume: the same weights."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data" / "train").mkdir(parents=True)
     (tmp_path / "data" / "train" / "shard-0.bin").write_bytes(b"x" * 10)
-    example = next(b for b in _blocks("python") if "ResumableLoader" in b)
+    example = runnable("resumable-loader")  # docs/guides/data-position.md
+    assert "ResumableLoader" in example and example in page("guides/data-position.md")
 
     def namespace(directory: str, total: int) -> dict:
         torch.manual_seed(0)

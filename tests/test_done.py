@@ -243,12 +243,10 @@ def test_exit_code_for():
     assert ts.exit_code_for(SystemExit(None)) == 0 and ts.exit_code_for(KeyboardInterrupt()) == 130
 
 
-def test_the_readme_finishing_example_runs_and_a_second_start_exits_at_once(tmp_path, monkeypatch):
-    import re
+def test_the_docs_finishing_example_runs_and_a_second_start_exits_at_once(tmp_path, monkeypatch):
+    from docsite import runnable
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = re.search(r"## Finishing a run, and a bounded restart supervisor.*?```python\n(.*?)```", readme, re.S)
-    assert block is not None
+    block = runnable("finish-and-exit")  # docs/guides/supervisor.md
     monkeypatch.chdir(tmp_path)
     calls = []
 
@@ -261,10 +259,10 @@ def test_the_readme_finishing_example_runs_and_a_second_start_exits_at_once(tmp_
         return {"__name__": "__main__", "cfg": CONFIG, "total_updates": 250, "build_state": build,
                 "train_one_update": train_one_update, "evaluate": lambda state: 0.5}
 
-    exec(block[1], namespace())
+    exec(block, namespace())
     assert len(calls) == 250 and ts.done("runs/exp1", config=CONFIG).record.metrics == {"val_loss": 0.5}
-    exec(block[1], namespace())  # restored, told it is done, and returned before training
+    exec(block, namespace())  # restored, told it is done, and returned before training
     assert len(calls) == 250
     with pytest.raises(SystemExit) as stopped:  # another config: the restore refuses, permanently
-        exec(block[1], {**namespace(), "cfg": {"lr": 0.2, "total": 4}})
+        exec(block, {**namespace(), "cfg": {"lr": 0.2, "total": 4}})
     assert stopped.value.code == ts.EXIT_PERMANENT

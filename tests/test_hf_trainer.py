@@ -167,12 +167,12 @@ def test_import_trainstate_imports_no_framework():
     assert out.strip() == "[]"
 
 
-def test_readme_example_is_the_two_lines_the_tests_run():
+def test_docs_example_is_the_two_lines_the_tests_run():
+    from docsite import blocks, section
     from trainstate.integrations import hf
 
-    section = (HERE.parent / "README.md").read_text().split("### Hugging Face Trainer\n", 1)[1].split("\n### ", 1)[0]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
-    compile(block, "README.md", "exec")
+    block = blocks(section("guides/frameworks.md", "## Hugging Face Trainer"), "python")[0]
+    compile(block, "docs/guides/frameworks.md", "exec")
     assert "callbacks=[DurableCheckpoints()]" in block
     assert "trainer.train(resume_from_checkpoint=last_verified_checkpoint(args.output_dir))" in block
     assert {"DurableCheckpoints", "last_verified_checkpoint"} <= set(hf.__all__)

@@ -225,11 +225,11 @@ def test_sigkill_mid_mixture_resumes_bitwise(tmp_path):
     assert len(reference["ids"]) == total
 
 
-def test_readme_mixture_example_runs_as_written():
-    import re
+def test_docs_mixture_example_runs_as_written():
+    from docsite import runnable
 
-    readme = (HERE.parent / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "ts.Mixture(" in b)
+    block = runnable("mixture")  # docs/guides/data-position.md
+    assert "ts.Mixture(" in block
     namespace: dict = {}
     exec(block, namespace)
     first = namespace["first"]

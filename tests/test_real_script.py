@@ -1,6 +1,6 @@
 """Issue 22: what a real training script taught us. Hand-written updates and accumulation keep their
 gradients; two saves at one update publish a superseding revision (also across a SIGKILL); ``ls`` names a
-recovery point only as restore would pick it; ``inspect`` shows tied tensors and nested values; the README's
+recovery point only as restore would pick it; ``inspect`` shows tied tensors and nested values; the docs'
 plain-variables and extending examples run. Issue 17 (third bullet): the ``ls`` table and ``--timeline``.
 """
 
@@ -28,7 +28,6 @@ from trainstate.restore import recovery_point
 from trainstate.storage.local import LocalStore
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parent / "README.md"
 G = generation_name
 
 
@@ -350,13 +349,13 @@ def test_ls_timeline_draws_the_fork_and_what_each_rule_keeps(tmp_path, capsys):
     assert out.rstrip().endswith(f"recovery point: {G(6)} (a restart resumes here; every digest checked)")
 
 
-# --- README: state in plain variables, and extending a finished run --------------------------------------------
+# --- docs/guides/single-process.md: state in plain variables, and extending a finished run ---------------------
 
 
 def _section_blocks() -> list[str]:
-    text = README.read_text()
-    section = text.split("## State in plain variables, and extending a finished run", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    from docsite import runnable
+
+    return [runnable("plain-variables"), runnable("extend-schedule")]
 
 
 class _Killed(Exception):

@@ -209,14 +209,14 @@ def test_the_name_pattern_is_transformers_prefix():
     assert ASIDE_RE.fullmatch(aside_name("incomplete", f"{PREFIX}-42"))
 
 
-def test_the_readme_names_the_commands_and_shows_shuffle():
-    readme = (ROOT / "README.md").read_text()
-    hf = readme.split("### Hugging Face Trainer\n", 1)[1].split("\n### ", 1)[0]
+def test_the_docs_name_the_commands_and_show_shuffle():
+    from docsite import blocks, page, section
+
+    hf = section("guides/frameworks.md", "## Hugging Face Trainer")
     assert "trainstate discard runs/exp1 --all" in hf
-    accelerate = readme.split("### Accelerate\n", 1)[1].split("\n### ", 1)[0]
-    block = accelerate.split("```python\n", 1)[1].split("```", 1)[0]
+    block = blocks(section("guides/frameworks.md", "## Accelerate"), "python")[0]
     assert "shuffle=True)" in block and "the default" in block
     import inspect
 
     assert inspect.signature(ts.ResumableLoader).parameters["shuffle"].default is True
-    assert "--require-signature" in readme.split("### Exporting weights for release\n", 1)[1]
+    assert "--require-signature" in page("guides/export.md")

@@ -179,6 +179,7 @@ class SaveHandle:
         self._forked_from: int | None = None  # in a forked child: the process it is in flight in
 
     def done(self) -> bool:
+        """Whether the save has finished: published, or failed (``wait`` then raises)."""
         return self._finished
 
     def wait(self, timeout: float | None = None) -> Any:

@@ -79,6 +79,7 @@ class FieldChange:
     new: object
 
     def describe(self) -> str:
+        """One line: the field with the checkpoint's value and this run's (or, for lists, what changed)."""
         if isinstance(self.old, (list, tuple)) and isinstance(self.new, (list, tuple)):
             return f"{self.field}: {_sequence_difference(self.old, self.new)}"
         return f"{self.field}: checkpoint has {_short(self.old)}, this run has {_short(self.new)}"

@@ -89,7 +89,7 @@ class CheckpointManager:
     when the local directory is empty or behind. ``progress=True`` shows a
     byte bar on stderr (tqdm) while a save writes and a restore loads
     (``None``: only when stderr is a terminal; off by default). ``replicas=N`` (multi-node): a node-local
-    ``directory``, each node's files also on ``N - 1`` peers across ``failure_domain`` labels (README, "Tiers").
+    ``directory``, each node's files also on ``N - 1`` peers by ``failure_domain`` label (docs/concepts/tiers.md).
     ``full_every=N``: incremental generations (unchanged tensor files linked, not rewritten), every N-th whole."""
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
@@ -142,9 +142,7 @@ class CheckpointManager:
         self._staged: str | None = None  # last background save whose owned copy exists
         self._committed: str | None = None  # last generation published by this manager
 
-    @property
-    def keep_last(self) -> int:
-        return self.retention.keep_last
+    keep_last = property(lambda self: self.retention.keep_last, doc="Full generations kept (``retention.keep_last``).")
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -320,6 +318,7 @@ class CheckpointManager:
         return self.lifecycle.unpin(name)
 
     def pins(self) -> dict[str, str]:
+        """Pinned generations: pin name -> generation name."""
         return self.lifecycle.pins()
 
     def best(self) -> str | None:
@@ -388,8 +387,8 @@ class CheckpointManager:
         copied makes restore fall back, and if nothing loads completely the
         state is unusable (:func:`trainstate.unusable_reason`; saves refuse
         it). ``in_place=False`` reads into fresh tensors instead and loads them
-        only once all verified (twice the memory). Older generations: see the
-        README ("How a restore chooses").
+        only once all verified (twice the memory). Older generations: see
+        docs/concepts/restore.md.
         """
         started = time.monotonic()
         self._writer.drain()  # a background save in flight publishes first
@@ -440,6 +439,7 @@ class CheckpointManager:
         return self._publisher.committed_name("full")
 
     def generations(self) -> list[str]:
+        """Every published generation of the run, newest first (by parsed update)."""
         return self.store.generations()
 
 

@@ -34,6 +34,7 @@ class GenerationInfo:
 
     @classmethod
     def from_verified(cls, store: Store, v: Verified) -> GenerationInfo:
+        """The record of a generation the trusted reader verified in ``store``."""
         m = v.manifest
         return cls(m.generation, f"{store.location}/{m.generation}", m.kind, m.next_update, m.created,
                    v.manifest_size + sum(f.size for f in m.files), v.manifest_digest, m.digest_algorithm,

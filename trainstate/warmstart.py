@@ -54,6 +54,7 @@ class WarmStartInfo:
         return not (self.missing or self.unexpected or self.mismatched)
 
     def describe(self) -> str:
+        """One line: what fit, what was renamed, missing, unexpected or of another shape."""
         parts = [f"{len(self.loaded)} entries of {self.generation.name} fit"]
         if self.renamed:
             parts.append("renamed: " + ", ".join(f"{a} -> {b}" for a, b in self.renamed[:10])

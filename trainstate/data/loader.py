@@ -287,6 +287,7 @@ class ResumableLoader:
         return self.plan.as_dict()
 
     def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, cursor, counters), the plan and the next batch's fingerprint, as a component."""
         self._taken = 0  # saved: the batches handed out so far are recorded as used
         saved = {"epoch": self.epoch, "cursor": self.cursor, "samples_seen": self.samples_seen,
                  "tokens_seen": self.tokens_seen, "plan": self.plan.as_dict(), "next_batch": self.next_batch(),
@@ -328,6 +329,7 @@ class ResumableLoader:
             raise DataMismatch("the saved next-batch fingerprint does not match the saved position")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from a saved position (``check_state_dict`` refuses one that does not fit this loader)."""
         self.check_state_dict(saved)
         self.plan, reweighted = self._resumed_plan(saved)
         self._reweight = None

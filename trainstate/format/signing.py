@@ -41,9 +41,11 @@ class SigningKey:
         return "SigningKey(<hidden>)"
 
     def sign(self, body: dict) -> str:
+        """HMAC-SHA256 of ``body``'s canonical JSON, in hex."""
         return hmac.new(self._secret, canonical(body), hashlib.sha256).hexdigest()
 
     def check(self, body: dict, signature: object, where: str) -> None:
+        """Raise :class:`CorruptGeneration` naming ``where`` unless ``signature`` is this key's for ``body``."""
         if signature is None:
             raise CorruptGeneration(where, "is not signed, but a signing key is configured; refusing it")
         if type(signature) is not str or not hmac.compare_digest(self.sign(body), signature):

@@ -59,12 +59,14 @@ class DoneRecord:
     metrics: dict = field(default_factory=dict)
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
+        """The record as written to ``DONE``: sorted JSON, signed with ``key`` when one is given."""
         data = {"format": FORMAT, "format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
         if key is not None:
             data["signature"] = key.sign(data)
         return json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"
 
     def to_json(self) -> dict:
+        """The fields as plain JSON-able data."""
         return dataclasses.asdict(self)
 
 
@@ -132,6 +134,7 @@ class DoneStatus:
         return self.status == "done"
 
     def to_json(self) -> dict:
+        """``status``, ``reason`` and the record (or ``None``) as plain JSON-able data."""
         return {"status": self.status, "reason": self.reason,
                 "record": self.record.to_json() if self.record is not None else None}
 

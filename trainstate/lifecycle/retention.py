@@ -60,6 +60,7 @@ class Retention:
                 raise InvalidArgument(f"best must be (metric_name, 'min' | 'max'), got {self.best!r}")
 
     def keep_for(self, kind: str) -> int:
+        """How many of the newest generations of ``kind`` (``"full"`` or ``"weights"``) are kept."""
         return self.keep_last if kind == "full" or self.keep_last_weights is None else self.keep_last_weights
 
 

@@ -92,6 +92,7 @@ class TrainState:
         return self.components[name]
 
     def modules(self) -> dict[str, torch.nn.Module]:
+        """The components that are modules (``torch.nn.Module``), by name."""
         return {n: c for n, c in self.components.items() if isinstance(c, torch.nn.Module)}
 
     @property
@@ -142,6 +143,7 @@ class TrainState:
                     f"{f}.{key}" == a or f"{f}.{key}".startswith(a + ".") for a in allow))
 
     def contract_fields(self) -> dict[str, Any]:
+        """The contract as checked on restore: the given fields, each module's architecture, each loader's plan."""
         fields = contract_mod.build(self.contract, self.modules())
         for name, component in self.components.items():
             if callable(getattr(component, "data_contract", None)):

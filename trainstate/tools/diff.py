@@ -69,6 +69,7 @@ class DiffReport:
     categories: list[Category]
 
     def category(self, name: str) -> Category:
+        """The category called ``name`` (``"optimizer"``, ``"rng"``, ...); ``StopIteration`` if none."""
         return next(c for c in self.categories if c.name == name)
 
     def to_dict(self) -> dict[str, Any]:

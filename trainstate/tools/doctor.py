@@ -113,6 +113,7 @@ class DoctorReport:
     drawn: dict[str, list[str]] = field(default_factory=dict)
 
     def stage(self, name: str) -> Category:
+        """The stage called ``name`` (``"batch"``, ``"lr"``, ``"loss"``, ...); ``StopIteration`` if none."""
         return next(c for c in self.stages if c.name == name)
 
     def to_dict(self) -> dict[str, Any]:
