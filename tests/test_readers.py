@@ -19,6 +19,8 @@ import trainstate.restore as restore_mod
 from trainer import assert_same, build, full_state, step
 from trainstate.format.digest import digest_bytes
 from trainstate.format.manifest import Pointer
+from trainstate.storage.local import LocalStore
+from trainstate.storage.posix import PosixOps
 
 
 class Frozen:
@@ -159,6 +161,41 @@ def test_an_unsigned_rolled_back_pointer_is_reported_and_the_newest_restored(tmp
     assert any("rolled back" in r.reason for r in info.rejected)
     assert "rolled back" in caplog.text
     assert_same(full_state(got), final)
+
+
+class _LatestAtCommit(PosixOps):
+    """Records what ``latest`` names each time a staging directory is renamed into a generation (a commit)."""
+
+    def __init__(self, root: Path):
+        self.root, self.seen = root, []
+
+    def rename(self, src, dst):
+        super().rename(src, dst)
+        if Path(src).name.startswith(".trainstate-staging-"):
+            self.seen.append(json.loads((self.root / "latest").read_bytes())["generation"])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_new_save_after_rolling_forward_moves_latest_first(tmp_path, signed):
+    """Found by the async kill drill: a crash between gen 6's commit and its pointer move, a restart that rolls
+    forward to gen 6, then a crash between gen 9's commit and its pointer move left latest two steps behind, which
+    restore takes for a rolled-back pointer (in a signed run it refuses: PointerRollback). A save descending from a
+    rolled-forward generation now moves latest to it before committing its own, so a crash in it leaves latest
+    one step behind at most. The control: the pointer named gen 1 at the commit before the fix."""
+    key = ts.SigningKey(b"k" * 32) if signed else None
+    state = _run(tmp_path, 2, key)
+    (tmp_path / "latest").write_bytes(_pointer(tmp_path, "gen-000000000001", key))  # gen 2's move was cut
+    ops = _LatestAtCommit(tmp_path)
+    with ts.CheckpointManager(tmp_path, signing_key=key, store=LocalStore(tmp_path, ops=ops)) as ckpt:
+        ckpt.restore(got := build(seed=9))
+        assert got.next_update == state.next_update
+        step(got)
+        ckpt.save(got)
+    assert ops.seen == ["gen-000000000002"]  # at gen 3's commit, latest already named its parent
+    (tmp_path / "latest").write_bytes(_pointer(tmp_path, "gen-000000000002", key))  # gen 3's move cut: one step
+    with ts.CheckpointManager(tmp_path, signing_key=key) as ckpt:
+        info = ckpt.restore(build(seed=9))
+    assert info.generation.name == "gen-000000000003" and "rolling forward" in info.rejected[0].reason
 
 
 @pytest.mark.parametrize("signed", [True, False])

@@ -37,7 +37,7 @@ from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, Inv
 from .format import tensorfile
 from .format.digest import new_hasher
 from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_name,
-                              generation_name, parse_run, run_to_bytes)
+                              generation_name, generation_order, parse_run, run_to_bytes)
 from .format.signing import SigningKey
 from .lifecycle import incremental
 from .lifecycle.generations import Lifecycle, new_timeline
@@ -224,6 +224,8 @@ class Publisher:
             if p.kind == "full":
                 self.point_if_behind(existing.name)
             return existing
+        if p.kind == "full" and p.parent is not None:
+            self.point_if_behind(p.parent, ahead_only=True)  # restore rolled forward to it; latest is behind
         superseded = existing  # the old generation of this name, set aside until the pointer has moved
         try:
             info = self._publish_new(p)
@@ -385,16 +387,20 @@ class Publisher:
         self.store.write_pointer(RUN, run_to_bytes(run, self.key))
         return run
 
-    def point_if_behind(self, name: str) -> None:
+    def point_if_behind(self, name: str, ahead_only: bool = False) -> None:
         """A save found ``name`` already holding this state (a no-op save): make ``latest`` name it, as publishing
         it would have, if it names another generation. That completes a publication a crash cut between its
         commit and the pointer move (restore rolled forward to it, and a run killed in its final save then saves
-        nothing new); a ``latest`` that already names it is not written."""
+        nothing new); a ``latest`` that already names it is not written. ``ahead_only`` (``name`` is the parent of
+        a new save): only a ``latest`` that names an older generation moves, so that a crash in this save leaves
+        ``latest`` one step behind, never two (which restore would take for a rolled-back pointer)."""
         try:
             pointer = read_pointed(self.store, POINTER, self.key)
         except (OSError, TrainStateError):
             pointer = None  # unreadable (a symlink, a directory): replaced as a publication replaces it
-        if pointer is not None and pointer.generation == name:
+        if pointer is not None and pointer.generation == name or ahead_only and (
+                pointer is None or generation_order(name) <= generation_order(pointer.generation)
+                or name not in self.store.generations()):
             return
         point_at(self.store, verify_generation(self.store, name, content=False, key=self.key), self.key)
         self.published = name

@@ -132,6 +132,8 @@ def _rank0_begin(pending: Pending, store: Any, publisher: Publisher, total_bytes
         if pending.kind == "full":
             publisher.point_if_behind(existing.name)  # a crash cut its publication before the pointer moved
         return {"noop": dataclasses.asdict(existing)}, None
+    if pending.kind == "full" and pending.parent is not None:
+        publisher.point_if_behind(pending.parent, ahead_only=True)  # restore rolled forward to it: latest catches up
     for leftover in store.clean_leftovers():
         log.info("removed leftover %s from an interrupted save", leftover)
     if publisher.preflight:
