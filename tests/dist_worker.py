@@ -479,6 +479,61 @@ def raised_faults(out: Path) -> dict:
     return results
 
 
+def _refuse_on_rank1(out: Path, timeout_s: float, control: bool) -> dict:
+    """Rank 1 holds a fact that cannot be stored: its capture fails before the round in which the ranks exchange
+    their reports. ``control``: that rank raises without taking part in the round, as a save did before the
+    round carried failures (the other rank then waits out the collective timeout)."""
+    from trainstate.distributed import group as group_mod
+
+    rank, run = dist.get_rank(), out / ("control" if control else "run")
+    state = build("fsdp")
+    real = group_mod.Ranks.exchange
+    if control:
+        def exchange(self, value, error, phase, room=2048):
+            if error is not None:
+                raise error
+            return real(self, value, error, phase, room)
+        group_mod.Ranks.exchange = exchange
+    ckpt = ts.CheckpointManager(run, collective_timeout_s=timeout_s)
+    result: dict = {}
+    try:
+        train(state, 2)
+        ckpt.save(state)
+        train(state, 1)
+        if rank == 1:
+            state.facts["handle"] = object()
+        started = time.monotonic()
+        try:
+            ckpt.save(state)
+            result["outcome"] = "saved"
+        except ts.TrainStateError as exc:
+            result.update(outcome=type(exc).__name__, message=str(exc)[:600])
+        result["seconds_to_raise"] = round(time.monotonic() - started, 2)
+        state.facts.pop("handle", None)
+        dist.barrier()
+        result["generations"] = ckpt.generations()
+        if not control:
+            ckpt.save(state)  # the same manager: its groups are still in step
+            result["after_fix"] = ckpt.generations()
+            ckpt.close()
+    finally:
+        group_mod.Ranks.exchange = real
+    return result
+
+
+@scenario
+def one_rank_refuses(out: Path) -> dict:
+    """A failure on one rank while capturing reaches every rank in the same round: all raise at once."""
+    return _refuse_on_rank1(out, TIMEOUT_S, control=False)
+
+
+@scenario
+def one_rank_refuses_control(out: Path) -> dict:
+    """The control: without the failure in the round, the other rank waits the whole (short) collective timeout.
+    The manager is left unclosed: its groups are out of step."""
+    return _refuse_on_rank1(out, 5.0, control=True)
+
+
 @scenario
 def background(out: Path) -> dict:
     """Background saves on the dedicated group while DDP trains; an injected failure surfaces at the next call."""

@@ -14,7 +14,7 @@ from distlaunch import launch
 pytestmark = pytest.mark.slow
 
 MAIN = ["roundtrip_save_ddp", "roundtrip_save_fsdp", "exact_resume", "bit_flip", "no_pickle", "replica_divergence",
-        "existing_generation", "raised_faults", "background"]
+        "existing_generation", "raised_faults", "background", "one_rank_refuses", "one_rank_refuses_control"]
 FAULTS = ["kill_rank1_write", "kill_rank0_rename", "hang_rank1_write"]
 
 
@@ -139,6 +139,23 @@ def test_a_raised_failure_in_any_phase_publishes_nothing(runs, fault):
         assert entry["pointer_unchanged"] and entry["generations"] == ["gen-000000000002"], entry
         assert entry["restored"] == "gen-000000000002" and entry["latest"] == "gen-000000000003", entry
         assert entry["after_next_save"] == [], entry
+
+
+def test_a_refusal_on_one_rank_raises_on_every_rank_at_once_and_the_next_save_works(runs):
+    rank0, rank1 = runs["two"].ok("one_rank_refuses")
+    assert rank1["outcome"] == "UnsupportedValue" and "facts.handle" in rank1["message"], rank1
+    assert rank0["outcome"] == "CheckpointFailed" and "rank 1" in rank0["message"], rank0
+    assert "UnsupportedValue" in rank0["message"], rank0  # the other rank hears what the failing one raised
+    for result in (rank0, rank1):
+        assert result["seconds_to_raise"] < 3.0, result
+        assert result["generations"] == ["gen-000000000002"], result  # nothing published
+        assert sorted(result["after_fix"]) == ["gen-000000000002", "gen-000000000003"], result
+
+
+def test_control_a_refusal_outside_the_round_leaves_the_other_rank_waiting_out_the_timeout(runs):
+    rank0, rank1 = runs["two"].ok("one_rank_refuses_control")
+    assert rank1["outcome"] == "UnsupportedValue" and rank1["seconds_to_raise"] < 3.0, rank1
+    assert rank0["outcome"] == "CheckpointFailed" and rank0["seconds_to_raise"] >= 4.5, rank0
 
 
 @pytest.mark.parametrize("kind", FAULTS)

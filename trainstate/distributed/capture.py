@@ -137,8 +137,31 @@ def _settings(dcp: dict[str, Any]) -> str:
     return _digest(strip(dcp), {})
 
 
-def capture(state: TrainState, ranks: Ranks, *, weights_only: bool = False) -> RankSnapshot:
-    """This rank's share, with every cross-rank check done (a collective: every rank calls it)."""
+ROOM = 8192  # bytes of JSON per rank in the one round of a save's opening; more (many replicas) takes two
+
+
+def capture(state: TrainState, ranks: Ranks, *, weights_only: bool = False, head: Any = None,
+            error: BaseException | None = None) -> tuple[RankSnapshot, Any]:
+    """This rank's share, with every cross-rank check done, and rank 0's ``head`` (a collective: every rank calls it).
+
+    One round carries every rank's report, rank 0's ``head`` and any rank's
+    failure (``error``, or one raised here while capturing): a failure
+    anywhere raises on every rank at once, and no rank is left waiting.
+    """
+    report: dict = {}
+    try:
+        if error is None:
+            dcp, sharded, others, encoded, fields, report = _local(state, ranks, weights_only)
+    except Exception as exc:  # noqa: BLE001 - carried to every rank, then raised here as it was
+        error = exc
+    every = ranks.exchange({"report": report, "head": head}, error, "capture", ROOM)
+    reports = [e["report"] for e in every]
+    _check_agreement(reports, state)
+    return _snapshot(state, ranks, weights_only, dcp, sharded, others, encoded, fields, reports), every[0]["head"]
+
+
+def _local(state: TrainState, ranks: Ranks, weights_only: bool) -> tuple:
+    """What this rank reports before the round: its sharded state, its other components encoded, its contract."""
     if not weights_only and state.pending_gradients:
         raise PendingGradients(
             "gradients are pending: a backward pass accumulated into .grad since the last optimizer.step(). "
@@ -168,8 +191,13 @@ def capture(state: TrainState, ranks: Ranks, *, weights_only: bool = False) -> R
         "counters": _digest(state.counters, {}), "facts": _digest(facts, facts_table.tensors),
         "tokens_seen": state.tokens_seen,
     }
-    reports = ranks.all_gather(report, "capture")
-    _check_agreement(reports, state)
+    return dcp, sharded, others, encoded, fields, report
+
+
+def _snapshot(state: TrainState, ranks: Ranks, weights_only: bool, dcp: dict, sharded: dict, others: dict,
+              encoded: dict, fields: dict, reports: list[dict]) -> RankSnapshot:
+    """This rank's share, once every rank's report is known (which components differ between ranks)."""
+    report = reports[ranks.rank]
     same = {key: all(r[key] == reports[0][key] for r in reports) for key in ("counters", "facts", "tokens_seen")}
     positions = state.data_positions()  # a data position is per rank by nature, even at world size 1
     rank_local = sorted(n for n in encoded if n in positions

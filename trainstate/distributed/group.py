@@ -101,6 +101,34 @@ class Ranks:
             raise error
         raise CheckpointFailed(phase, failed)
 
+    def gather_small(self, value: Any, phase: str, room: int = 2048) -> list[Any]:
+        """Every rank's ``value`` (JSON-able), in rank order: one ``all_gather`` of a fixed-size buffer when every
+        rank's value fits in ``room`` bytes (each buffer carries its length), else :meth:`all_gather`."""
+        data = _encode(value)
+        with collective(phase, self):
+            mine = torch.zeros(room + 8, dtype=torch.uint8)
+            mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            if 0 < len(data) <= room:
+                mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            out = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(out, mine, group=self.group)
+        sizes = [int(t[:8].view(torch.int64).item()) for t in out]
+        if max(sizes) > room:  # every rank sees the same sizes, so every rank takes the long way
+            return self.all_gather(value, phase)
+        return [json.loads(bytes(t[8:8 + s].numpy()).decode()) for t, s in zip(out, sizes)]
+
+    def exchange(self, value: Any, error: BaseException | None, phase: str, room: int = 2048) -> list[Any]:
+        """Every rank's ``value`` and whether its part of ``phase`` failed, in one round; a failure anywhere raises
+        on every rank as :meth:`check` does (the failed rank its own error, the others :class:`CheckpointFailed`)."""
+        text = "" if error is None else f"{type(error).__name__}: {error}"[:1000]
+        every = self.gather_small([None if error else value, text], phase, room)
+        failed = {rank: report for rank, (_, report) in enumerate(every) if report}
+        if failed:
+            if error is not None:
+                raise error
+            raise CheckpointFailed(phase, failed)
+        return [v for v, _ in every]
+
     def rank0_outcome(self, outcome: dict, error: BaseException | None, phase: str) -> dict:
         """Rank 0's ``outcome`` (a JSON-able dict) on every rank; when it carries ``"error"``, rank 0 raises its own
         ``error`` and the others :class:`CheckpointFailed` naming it."""

@@ -93,18 +93,18 @@ class Session:
             raise InvalidArgument("include_grads=True is not supported in a multi-rank run; save after "
                                   "optimizer.step() (and zero_grad)")
         self.fg.join("save")  # first: a save only some ranks entered fails here in seconds, by name
-        error = None
+        error, head = None, None
         if self.rank == 0:
             try:
                 manager.store.lock()
                 manager._check_same_run(state)
             except TrainStateError as exc:
                 error = exc
-        self.fg.check("prepare", error)
-        if state.lineage is None:
-            state.lineage = [[new_timeline(), None]]
-        state.lineage = self.fg.broadcast(state.lineage, "prepare")  # rank 0's timeline ids on every rank
-        snap = capture(state, self.fg, weights_only=weights_only)
+            if state.lineage is None:
+                state.lineage = [[new_timeline(), None]]
+            head = state.lineage
+        # one round: every rank's report, rank 0's check and its timeline ids (which every rank takes)
+        snap, state.lineage = capture(state, self.fg, weights_only=weights_only, head=head, error=error)
         kind = "weights" if weights_only else "full"
         name = generation_name(state.next_update, kind)
         pending = DistPending(name, kind, state.next_update, state.parent, snap.global_skeleton, {}, {

@@ -29,7 +29,6 @@ collectives are in :mod:`.tiersave` and :mod:`.tierload`.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -37,13 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointFailed, CorruptGeneration, InvalidArgument
+from ..errors import CorruptGeneration, InvalidArgument
 from ..format.digest import digest_bytes
 from ..format.manifest import MANIFEST, POINTER, Manifest, Pointer, parse_generation_name, parse_manifest
 from ..format.signing import SigningKey
 from ..storage.local import LocalStore
 from ..storage.verify import read_manifest, read_pointed
-from .group import Ranks, _encode, _global_rank, collective
+from .group import Ranks, _global_rank, collective
 
 REPLICAS = "replicas"  # the replicated tier's store, inside the node's directory
 GLOBAL_FILES = ("state.json", "tensors.safetensors", "dcp-metadata.json")
@@ -215,37 +214,3 @@ def parse_shared_manifest(data: bytes, name: str, digest: str, key: SigningKey |
     if digest_bytes(manifest.digest_algorithm, data) != digest or manifest.generation != name:
         raise CorruptGeneration(f"{name}/{MANIFEST}", "differs from the manifest its holders reported")
     return manifest
-
-
-# one round: values and errors together ------------------------------------------------------------------------
-ROOM = 2048  # bytes of JSON per rank that one all_gather carries; a longer value takes a second round
-
-
-def gather_small(ranks: Ranks, value: Any, phase: str) -> list[Any]:
-    """Every rank's ``value`` (JSON-able), in rank order: one ``all_gather`` of a fixed-size buffer when every
-    rank's value fits in ``ROOM`` bytes (each buffer carries its length), else :meth:`Ranks.all_gather`."""
-    data = _encode(value)
-    with collective(phase, ranks):
-        mine = torch.zeros(ROOM + 8, dtype=torch.uint8)
-        mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        if 0 < len(data) <= ROOM:
-            mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty_like(mine) for _ in range(ranks.world_size)]
-        dist.all_gather(out, mine, group=ranks.group)
-    sizes = [int(t[:8].view(torch.int64).item()) for t in out]
-    if max(sizes) > ROOM:  # every rank sees the same sizes, so every rank takes the long way
-        return ranks.all_gather(value, phase)
-    return [json.loads(bytes(t[8:8 + s].numpy()).decode()) for t, s in zip(out, sizes)]
-
-
-def exchange(ranks: Ranks, value: Any, error: BaseException | None, phase: str) -> list[Any]:
-    """Every rank's ``value`` and whether its part of ``phase`` failed, in one round; a failure anywhere raises on
-    every rank as :meth:`Ranks.check` does (the failed rank its own error, the others :class:`CheckpointFailed`)."""
-    text = "" if error is None else f"{type(error).__name__}: {error}"[:1000]
-    every = gather_small(ranks, [None if error else value, text], phase)
-    failed = {rank: report for rank, (_, report) in enumerate(every) if report}
-    if failed:
-        if error is not None:
-            raise error
-        raise CheckpointFailed(phase, failed)
-    return [v for v, _ in every]

@@ -24,7 +24,7 @@ Every rank runs :func:`publish` on the checkpoint group; each node's leader
    tier as a whole can serve it.
 
 Each step ends in one round: a fixed-size ``all_gather`` of every rank's
-values and errors together (:func:`.tiers.exchange`).
+values and errors together (:meth:`.Ranks.exchange`).
 
 ``save`` returns here (``wait_replicas=False``, the default): this rank's
 shard is durable on its own node and the local tier's commit holds.
@@ -65,7 +65,7 @@ from .commit import _sharded_bytes, build_manifest, stage_records
 from .group import Ranks, _global_rank, collective
 from .planner import SavePlanner
 from .storage import DCP_METADATA, Writer
-from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, exchange, placement, rank_files
+from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, placement, rank_files
 
 log = logging.getLogger("trainstate")
 PIECE = 16 << 20  # one message between ranks while replicating
@@ -113,7 +113,7 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
         except (TrainStateError, OSError) as exc:
             error = exc
     lineage = pending.extra["lineage"] if ranks.rank == 0 else None
-    every = exchange(ranks, {"name": pending.name, "size": size, "report": report, "lineage": lineage}, error,
+    every = ranks.exchange({"name": pending.name, "size": size, "report": report, "lineage": lineage}, error,
                      "begin")
     if len({e["name"] for e in every}) != 1:
         raise CheckpointFailed("begin", {r: f"saves {e['name']}" for r, e in enumerate(every)})
@@ -131,7 +131,7 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
         except (TrainStateError, OSError) as exc:
             error = exc
     try:
-        shared = exchange(ranks, staging.name if staging is not None else None, error, "begin")
+        shared = ranks.exchange(staging.name if staging is not None else None, error, "begin")
     except BaseException:
         if staging is not None:
             staging.abort()  # another node refused (no space, another run): nothing of this save stays
@@ -194,7 +194,7 @@ def _stage(snap: RankSnapshot, ranks: Ranks, staging: Any, joined: BaseException
     """Each rank's records (rank 0's also the global files) into its node's staging; one round reports every rank's
     outcome, a failed join included."""
     records, error = ([], joined) if joined is not None else stage_records(snap, ranks.rank, staging)
-    exchange(ranks, None, error, "stage")
+    ranks.exchange(None, error, "stage")
     return records
 
 
@@ -264,7 +264,7 @@ def _verify(manifest: Manifest | None, manifest_bytes: bytes, ranks: Ranks, tier
             check_holding(tier.own, manifest, manifest_bytes, node_files(manifest, topo.ranks_on(topo.node)), key)
         except (TrainStateError, OSError) as exc:
             error = exc
-    exchange(ranks, None, error, "commit")
+    ranks.exchange(None, error, "commit")
     return Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
 
 
@@ -314,7 +314,7 @@ def _point(verified: Verified, ranks: Ranks, tier: Tier, key: Any, pointer: str 
         except (TrainStateError, OSError) as exc:
             error = exc
     try:
-        exchange(ranks, None, error, "publish")
+        ranks.exchange(None, error, "publish")
     except BaseException:
         if topo.is_leader and error is None and previous is not None:
             try:
@@ -355,7 +355,7 @@ def replicate(name: str, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: A
                               [f for s in receives for r in topo.ranks_on(s) for f in rank_files(manifest, r)], key)
             except (TrainStateError, OSError) as exc:
                 error = exc
-        exchange(ranks, None, error, "replicate")
+        ranks.exchange(None, error, "replicate")
     except BaseException:
         if staging is not None:
             staging.abort()
