@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import warnings
+import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +111,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 import trainstate as ts  # noqa: E402
+
+TRACE = os.environ.get("TS_TRACE_CALLS") == "1"
 from bench_dist import (Profiler, broadcast_json, build, differs, gather_json, git, local_tensors, med,  # noqa: E402
                         parse_size, pick_hidden, rank, rotated, say, timed, tree_digest)
 from bench_objects import cpu_pid  # noqa: E402
@@ -154,6 +157,11 @@ class Traffic:
 
         def counted(*args, **kwargs):
             self.calls[method] += 1
+            if TRACE:  # $TS_TRACE_CALLS=1: each call's key and the trainstate frames that made it
+                where = [f"{f.filename.split('trainstate/')[-1]}:{f.lineno}:{f.name}" for f in traceback.extract_stack()
+                         if "/trainstate/" in f.filename and "objectclient" not in f.filename]
+                print(f"[rank {os.environ.get('RANK')}] {method} {args[1] if len(args) > 1 else ''} <- "
+                      + " < ".join(reversed(where[-5:])), file=sys.stderr)
             return original(*args, **kwargs)
         setattr(Client, method, counted)
         self.undo.append(lambda: setattr(Client, method, original))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -216,10 +217,10 @@ def candidates(store: Store, key: SigningKey | None) -> Candidates:
     replayed one step back gains an attacker nothing. Further ahead, in a
     signed run, means a pointer replayed further back: :class:`PointerRollback`.
     """
-    names = store.generations()
+    names, run, (pointer, problem) = _listing_run_pointer(store, key)
     full = [n for n in names if parse_generation_name(n)[1] == "full"]
-    run = expected_run(store, key)
-    pointer, problem = read_pointer(store, key, bool(full))
+    if problem == _MISSING and not full:
+        problem = None  # no pointer and nothing it could name: nothing is amiss
     rejected = [Rejection(POINTER, problem)] if problem else []
     if not full and names and pointer is None:
         log.warning("%s holds only weights-only generations: nothing to resume, starting fresh "
@@ -301,13 +302,26 @@ def recovery_point(store: Store, key: SigningKey | None) -> str | None:
     return None
 
 
+_MISSING = "missing, but generations exist"
+
+
+def _listing_run_pointer(store: Store, key: SigningKey | None) -> tuple[list[str], str | None, tuple]:
+    """The generations, the run identity and the ``latest`` pointer, read side by side: on an object store three
+    requests in the time of one."""
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainstate-choose") as pool:
+        run = pool.submit(expected_run, store, key)
+        pointer = pool.submit(read_pointer, store, key, True)
+        names = store.generations()
+        return names, run.result(), pointer.result()
+
+
 def read_pointer(store: Store, key: SigningKey | None, generations_exist: bool
                  ) -> tuple[Pointer | None, str | None]:
     """The ``latest`` pointer, or why it cannot be used."""
     try:
         data = store.read_pointer(POINTER)
         if data is None:
-            return None, ("missing, but generations exist" if generations_exist else None)
+            return None, (_MISSING if generations_exist else None)
         pointer = parse_pointer(data, POINTER, key)
     except CorruptGeneration as exc:
         return None, exc.reason

@@ -45,9 +45,18 @@ class Fetched:
         self._lock = threading.Lock()
         self._pin = pinned(store)  # each commit record read once during the restore
         self._pin.__enter__()
+        self._names: list[str] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
+
+    def generations(self) -> list[str]:
+        """The store's generations as first listed in this restore: the choice and the lineage it continues see
+        one listing (one request, not one per use)."""
+        with self._lock:
+            if self._names is None:
+                self._names = self._store.generations()
+            return list(self._names)
 
     def fetch(self, manifest: Manifest, name: str, spans: list[tuple[int, int]] | None = None) -> None:
         """Download and verify the bytes of file ``name`` covering ``spans`` (``None``: the whole file), each once.
