@@ -107,7 +107,8 @@ class Bench:
         self.config = {"size": args.size, "hidden": args.hidden or pick_hidden(args.size), "batch": args.batch,
                        "reps": args.reps, "steps": args.steps, "updates": args.updates,
                        "headline_reps": args.headline_reps, "headline_batch": args.headline_batch or args.batch,
-                       "storage_options": server.storage_options(), "collective_timeout_s": args.timeout}
+                       "storage_options": server.storage_options(), "collective_timeout_s": args.timeout,
+                       "profile_dir": os.path.abspath(args.profile_dir) if args.profile_dir else None}
         self.launches: list[dict] = []
 
     def launch(self, name: str, dirs: list[Path], phases: list[str], config: dict | None = None) -> list[dict]:
@@ -396,6 +397,7 @@ def main() -> int:
     parser.add_argument("--shm", default="/dev/shm", help="RAM disk for part 4's node directories")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
     parser.add_argument("--out", default=None, help="write every figure and sample as JSON")
+    parser.add_argument("--profile-dir", default=None, help="dump each rank's restore under cProfile here")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-tiers-"))
     say(f"library {library()}; {os.cpu_count()} CPUs; workdir {workdir}")

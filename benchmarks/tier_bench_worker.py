@@ -323,10 +323,20 @@ def _restore(make) -> dict:
     built = time.perf_counter() - t
     dist.barrier()
     load0, cpu0 = load(), cpu_s()
+    profile = CONFIG.get("profile_dir")
+    if profile:  # --profile-dir: each rank's restore under cProfile (the figures then include its overhead)
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t = time.perf_counter()
     info = ckpt.restore(state)
     dist.barrier()
     seconds = time.perf_counter() - t
+    if profile:
+        profiler.disable()
+        tag = f"{os.environ.get('TRAINSTATE_TEST_NODE')}-{dist.get_rank()}-{time.time_ns()}"
+        profiler.dump_stats(str(Path(profile) / f"restore-{tag}.prof"))
     cpu = cpu_s() - cpu0
     ckpt.close()
     events = timers.take()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -178,27 +179,41 @@ class Holdings(Fetched):
 
 
 def _hand_over(fetched: Fetched, manifest: Any, ranks: Ranks, sends: list, loaded: dict, node_of: tuple) -> str:
-    """Every transfer, point to point in one global order; each receiver verifies each chunk before keeping it."""
+    """Every transfer, point to point in one global order, one message per chunk: the receiver verifies each chunk
+    before keeping it, while the next ones are still on the way."""
     problem = ""
     for source, receiver, chunks in sends:
         if ranks.rank not in (source, receiver):
             continue
         sizes = [chunk_bytes(manifest, name, index) for name, index in chunks]
+        if ranks.rank == source:
+            with collective("fetch", ranks):
+                works = []
+                for (name, index), size in zip(chunks, sizes):  # a copy per chunk (gloo sends a tensor), sent at once
+                    if not size:
+                        continue
+                    data = torch.empty(size, dtype=torch.uint8)
+                    data.numpy()[:] = numpy.frombuffer(fetched.chunk(manifest, name, index), dtype=numpy.uint8)
+                    works.append((dist.isend(data, dst=_global_rank(ranks.group, receiver), group=ranks.group), data))
+                for work, _ in works:
+                    work.wait()
+            continue
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        view, offset, pending = memoryview(buffer.numpy()), 0, []
         with collective("fetch", ranks):
-            if ranks.rank == source:
-                data = bytearray(b"".join(fetched.chunk(manifest, name, index) for name, index in chunks))
-                dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=_global_rank(ranks.group, receiver),
-                          group=ranks.group)
-                continue
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-            dist.recv(buffer, src=_global_rank(ranks.group, source), group=ranks.group)
-        view, offset = memoryview(buffer.numpy()), 0
-        for (name, index), size in zip(chunks, sizes):
-            try:
-                fetched.put_chunk(manifest, name, index, view[offset:offset + size])
-            except CorruptGeneration as exc:
-                problem = problem or f"{exc} (as rank {source} handed it over)"
-            offset += size
+            for size in sizes:
+                pending.append(dist.irecv(buffer[offset:offset + size], src=_global_rank(ranks.group, source),
+                                          group=ranks.group) if size else None)
+                offset += size
+            offset = 0
+            for (name, index), size, work in zip(chunks, sizes, pending):
+                if work is not None:
+                    work.wait()
+                try:
+                    fetched.put_chunk(manifest, name, index, view[offset:offset + size])
+                except CorruptGeneration as exc:
+                    problem = problem or f"{exc} (as rank {source} handed it over)"
+                offset += size
         if node_of[source] != node_of[receiver]:
             loaded["peer"] += sum(sizes)
     return problem
