@@ -169,6 +169,23 @@ def test_ddp_with_background_saves_then_a_reshard_onto_one_node(tmp_path):
     assert not result["identical"]  # per-rank RNG continues statistically at another world size
 
 
+def test_retention_with_tiers_keeps_milestones_the_best_and_a_pin_made_on_one_node_whole_on_every_node(tmp_path):
+    """Retention(keep_last=2, milestone_every=4, best=("loss", "min")), update 5 pinned on rank 0 only: both
+    nodes keep 3 (best), 4 and 8 (milestones), 5 (pinned), 8 and 9 (the last two) in both tiers, and the best
+    restores from them. Control: each node pruning with its own pins drops the pinned generation on node 1."""
+    want = [f"gen-{u:012d}" for u in (3, 4, 5, 8, 9)]
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for result in launch_nodes(tmp_path / "out", dirs, ["tier_retention"], worker=WORKER, nproc=1).ok(
+            "tier_retention", 2):
+        assert result["own"] == want and result["replica"] == want, result
+        assert result["restored"] == "gen-000000000003" and result["sources"]["remote"] == 0, result
+    dirs = [tmp_path / "control0", tmp_path / "control1"]
+    control = launch_nodes(tmp_path / "control", dirs, ["tier_retention"], worker=WORKER, nproc=1,
+                           env={"TS_PINS_LOCAL": "1"}).ok("tier_retention", 2)
+    assert control[0]["own"] == want, control[0]
+    assert "gen-000000000005" not in control[1]["own"] + control[1]["replica"], control[1]
+
+
 def test_a_node_without_room_refuses_the_save_everywhere_before_anything_is_written(tmp_path, tmpfs):
     dirs = [tmp_path / "node0", tmpfs.mount("48k", "node1")]  # node 1: too small for its share (a real ENOSPC check)
     launched = launch_nodes(tmp_path / "out", dirs, ["tier_no_space"], worker=WORKER, nproc=1)

@@ -131,6 +131,46 @@ def tier_no_space(out: Path) -> dict:
                                                                       if not p.name.startswith(".trainstate.lock"))}
 
 
+def _pins_of_own_node_only() -> None:
+    """The control of ``tier_retention``: each node prunes with its own pins only (the gather kept in step)."""
+    from trainstate.distributed import tierprune, tiersave
+    from trainstate.lifecycle.generations import Lifecycle
+
+    def prune(tier, key, ranks):
+        ranks.gather_small({"pins": {}, "error": ""}, "prune")
+        if not tier.topology.is_leader:
+            return []
+        if tier.lifecycle is None:
+            tier.lifecycle = Lifecycle(tier.own, key)
+            tier.lifecycle.structure_check = tierprune.holding_check(tier, key)
+        return tierprune._prune_node(tier, key, tier.lifecycle.pins())
+    tiersave.prune = prune
+
+
+@scenario
+def tier_retention(out: Path) -> dict:
+    """retention= with tiers: updates 1-9 saved with a loss that is best at update 3, a milestone every 4 updates,
+    keep_last=2, and update 5 pinned by rank 0 alone; then the best generation restored from the nodes."""
+    if os.environ.get("TS_PINS_LOCAL") == "1":
+        _pins_of_own_node_only()
+    state = dw.build(mode())
+    policy = ts.Retention(keep_last=2, milestone_every=4, best=("loss", "min"))
+    with ts.CheckpointManager(node_dir(), retention=policy, replicas=2, collective_timeout_s=dw.TIMEOUT_S) as ckpt:
+        for _ in range(9):
+            dw.train(state, 1)
+            info = ckpt.save(state, metrics={"loss": 0.1 if state.next_update == 3 else float(state.next_update)})
+            if state.next_update == 5 and dist.get_rank() == 0:
+                ckpt.pin("keep", info.name)
+        ckpt.wait()
+        held = {"own": sorted(p.name for p in node_dir().glob("gen-*")),
+                "replica": sorted(p.name for p in (node_dir() / "replicas").glob("gen-*"))}
+        fresh = dw.build(mode(), seed=5)
+        restored = ckpt.restore(fresh, generation="gen-000000000003") if os.environ.get("TS_PINS_LOCAL") != "1" \
+            else None
+    return {**held, "restored": restored.generation.name if restored else None,
+            "sources": restored.sources if restored else None}
+
+
 @scenario
 def tier_replica_fails(out: Path) -> dict:
     """Replication fails in the background (a full replicas disk): save returned, wait() raises it once, the

@@ -58,12 +58,13 @@ class Session:
         self.tier: Any = None  # node-local tiers (attach_tier), or None: one directory every rank shares
 
     def attach_tier(self, store: Any, replicas: int, keep_last: int, node: Any, failure_domain: Any,
-                    wait_replicas: bool, preflight: bool, headroom: float, remote: Any = None) -> None:
+                    wait_replicas: bool, preflight: bool, headroom: float, remote: Any = None,
+                    policy: Any = None) -> None:
         """Node-local tiers: each node's ranks share ``store``, a directory no other node sees (collective)."""
         from . import tiers
 
         self.tier = tiers.Tier(store, tiers.discover(self.fg, node, failure_domain), replicas, keep_last,
-                               wait_replicas, preflight, headroom, remote)
+                               wait_replicas, preflight, headroom, remote, policy)
         topo = self.tier.topology
         if topo.is_leader:
             from . import tiertimes
@@ -186,7 +187,7 @@ class Session:
                 manifest = tiersave.read_manifest_bytes(manifest_bytes, info.name, key)
                 self._timed("upload", lambda: send(info.name, manifest, manifest_bytes, group, tier, tier.remote),
                             lambda _: info.size, leader_only=False)
-            tiersave.prune(tier, key)
+            tiersave.prune(tier, key, group)
             return info
 
         if background:
@@ -195,7 +196,7 @@ class Session:
         if tier.wait_replicas:
             replicate(ranks)
         if tier.wait_replicas and not upload or tier.replicas < 2 and not upload:
-            tiersave.prune(tier, key)
+            tiersave.prune(tier, key, ranks)
             return info
         later = finish if tier.wait_replicas else lambda group: (replicate(group), finish(group))[1]
         self._later(manager, f"{info.name} (replicas, upload)", later)

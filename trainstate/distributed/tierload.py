@@ -41,8 +41,8 @@ from ..storage.verify import Verified
 from . import load
 from .group import Ranks
 from .tierfetch import Holdings
-from .tiers import Tier, broadcast_bytes, holdings, parse_shared_manifest, placement, rank_files
-from .tiersave import _point, _recorded_run, _write_checked, check_holding, node_files
+from .tiers import Tier, broadcast_bytes, holdings, node_files, parse_shared_manifest, placement, rank_files
+from .tiersave import _point, _recorded_run, _write_checked, check_holding
 
 log = logging.getLogger("trainstate")
 

@@ -25,21 +25,20 @@ def attach(manager: Any, options: dict[str, Any]) -> None:
                               "(and mirror= uploads every generation)")
     if getattr(manager.store, "remote", False) or not hasattr(manager.store, "root"):
         raise InvalidArgument(f"node-local tiers need a local directory on each node, not {manager.store.location}")
-    if options["retention"] is not None:
-        raise InvalidArgument("node-local tiers keep the newest keep_last generations; pass keep_last=, not "
-                              "retention= (milestones, best and pins are not available with tiers yet)")
     remote = None
     if options["mirror"] is not None:
-        from ..lifecycle.retention import Retention
         from ..storage.locate import open_store
         from .tierremote import Remote
 
         store = open_store(options["mirror"], manager.store.digest_algorithm, storage_options=options["mirror_options"])
         if not getattr(store, "remote", False):
             raise InvalidArgument(f"mirror= must be an object-store URL (s3://, gs://, az://), not {store.location}")
-        remote = Remote(store, options["mirror_retention"] or Retention(keep_last=manager.retention.keep_last),
+        remote = Remote(store, options["mirror_retention"] or manager.retention,
                         every, manager.key)
     manager._clock.on_saved = manager._session.record_blocking  # each save's blocking time, on the node's disk
     manager._session.attach_tier(manager.store, replicas, manager.retention.keep_last, options["node"],
                                  options["failure_domain"], options["wait_replicas"], options["preflight"],
-                                 options["headroom"], remote)
+                                 options["headroom"], remote, manager.retention)
+    from .tierprune import holding_check
+
+    manager.lifecycle.structure_check = holding_check(manager._session.tier, manager.key)  # pin, best, plan

@@ -87,9 +87,11 @@ class Tier:
     preflight: bool = True
     headroom: float = 0.05
     remote: Any = None  # a .tierremote.Remote: the object store behind the nodes, or None
+    policy: Any = None  # the retention policy (a Retention): milestones, best and pins besides keep_last
 
     def __post_init__(self) -> None:
         self.replica = replica_store(self.own)
+        self.lifecycle: Any = None  # the own store's Lifecycle, made by the first prune
 
     def stores(self) -> dict[str, LocalStore]:
         return {"own": self.own, "replica": self.replica}
@@ -206,6 +208,13 @@ def broadcast_bytes(ranks: Ranks, data: bytes | None, source: int, phase: str) -
         if buffer.numel():
             dist.broadcast(buffer, src=_global_rank(ranks.group, source), group=ranks.group)
     return data if ranks.rank == source else bytes(buffer.numpy())
+
+
+def node_files(manifest: Manifest, ranks_on_node: list[int]) -> list[str]:
+    """What a node holds of a generation: the global files and its ranks' files."""
+    present = {f.name for f in manifest.files}
+    return [f for f in GLOBAL_FILES if f in present] + [f for r in ranks_on_node if r < len(manifest.ranks)
+                                                          for f in rank_files(manifest, r)]
 
 
 def parse_shared_manifest(data: bytes, name: str, digest: str, key: SigningKey | None) -> Manifest:

@@ -59,13 +59,14 @@ from ..format.manifest import (MANIFEST, POINTER, RUN, Manifest, Pointer, genera
                                parse_generation_name, parse_manifest, parse_run, run_to_bytes)
 from ..publish import Pending
 from ..records import GenerationInfo
-from ..storage.verify import Verified, read_manifest, read_pointed
+from ..storage.verify import Verified, read_manifest
 from .capture import RankSnapshot
 from .commit import _sharded_bytes, build_manifest, stage_records
 from .group import Ranks, _global_rank, collective
 from .planner import SavePlanner
 from .storage import DCP_METADATA, Writer
-from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, placement, rank_files
+from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, node_files, placement, rank_files
+from .tierprune import prune  # noqa: F401  (the save calls tiersave.prune: a test aims kills at it)
 
 log = logging.getLogger("trainstate")
 PIECE = 16 << 20  # one message between ranks while replicating
@@ -281,12 +282,6 @@ def _write_checked(staging: Any, manifest: Manifest, name: str, chunks: Any) -> 
         raise CorruptGeneration(f"{manifest.generation}/{name}", "arrived with other bytes than the manifest records")
 
 
-def node_files(manifest: Manifest, ranks_on_node: list[int]) -> list[str]:
-    present = {f.name for f in manifest.files}
-    return [f for f in GLOBAL_FILES if f in present] + [f for r in ranks_on_node if r < len(manifest.ranks)
-                                                          for f in rank_files(manifest, r)]
-
-
 def check_holding(store: Any, manifest: Manifest, manifest_bytes: bytes, files: list[str], key: Any) -> None:
     """A committed holding: the manifest written, and each of ``files`` present at its recorded size."""
     _, digest, size = read_manifest(store, manifest.generation, None, key)
@@ -455,33 +450,4 @@ class _Stream:
             pass
 
 
-# retention ------------------------------------------------------------------------------------------------
-def prune(tier: Tier, key: Any) -> list[str]:
-    """On a leader: keep the newest ``keep_last`` generations its ``latest`` covers, the one ``replicas/latest``
-    names and anything newer than ``latest`` (still being published); remove the rest from both tiers."""
-    if not tier.topology.is_leader:
-        return []
-    local = read_pointed(tier.own, POINTER, key)
-    if local is None:
-        return []
-    replicated = read_pointed(tier.replica, POINTER, key) if tier.replicas > 1 else None
-    newest = generation_order(local.generation)
-    kept = [n for n in tier.own.generations() if parse_generation_name(n)[1] == "full"
-            and generation_order(n) <= newest][:tier.keep_last]
-    keep = set(kept) | {local.generation} | ({replicated.generation} if replicated else set())
-    if tier.remote is not None and tier.remote.pending:  # chosen for upload, not on the remote yet
-        keep.add(tier.remote.pending)
-    removed = []
-    for store in tier.stores().values():
-        for name in store.generations():
-            if name in keep or generation_order(name) > newest:
-                continue
-            try:
-                store.remove(name)
-                removed.append(name)
-            except OSError as exc:
-                log.error("could not prune %s from %s (%r); the next save retries", name, store.location, exc)
-    return removed
-
-
-__all__ = ["check_holding", "node_files", "prune", "publish", "replicate"]
+__all__ = ["check_holding", "prune", "publish", "replicate"]

@@ -45,6 +45,9 @@ class Lifecycle:
         self.key = key
         self.hold: Callable[[], set[str]] | None = None  # generations pruning must keep (a mirror not yet there)
         self._checked: dict[str, tuple[tuple, Manifest]] = {}  # name -> (its file listing, its verified manifest)
+        # how a generation's structure is checked (default: every file present at its size); a node of a tiered
+        # run holds only its part of each generation, and checks that part
+        self.structure_check: Callable[[str], Manifest] | None = None
 
     # pins --------------------------------------------------------------------
     def pins(self) -> dict[str, str]:
@@ -60,7 +63,7 @@ class Lifecycle:
         with self.store.exclusive("pins"):
             if generation not in self.store.generations():
                 raise GenerationNotFound(f"no generation {generation} in {self.store.location}")
-            verify_generation(self.store, generation, content=False, key=self.key)
+            self._structure(generation)
             pins = self.pins()
             pins[name] = generation
             self.store.write_pointer(PINS, pins_to_bytes(pins, self.key))
@@ -148,7 +151,8 @@ class Lifecycle:
         cached = self._checked.get(name)
         if cached is not None and cached[0] == listing:
             return cached[1]
-        manifest = verify_generation(self.store, name, content=False, key=self.key).manifest
+        manifest = self.structure_check(name) if self.structure_check is not None else \
+            verify_generation(self.store, name, content=False, key=self.key).manifest
         self._checked[name] = (listing, manifest)
         return manifest
 
@@ -182,8 +186,10 @@ class Lifecycle:
                 out.add(name)
         return out
 
-    def plan(self, policy: Retention, anchors: Mapping[str, str | None] | None = None) -> Plan:
-        """The retention plan for the directory as it is now (no changes).
+    def plan(self, policy: Retention, anchors: Mapping[str, str | None] | None = None,
+             pins: Mapping[str, str] | None = None) -> Plan:
+        """The retention plan for the directory as it is now (no changes); ``pins``: these instead of the
+        directory's own (node-local tiers pass every node's).
 
         When ``policy`` differs from the one the run recorded, the plan's
         ``note`` says so and names what the recorded policy would keep that
@@ -193,7 +199,7 @@ class Lifecycle:
         anchors = dict(self.anchors() if anchors is None else anchors)
         manifests = self.manifests(names)
         lineage = self.lineage(anchors.get("full"), manifests)
-        pins = self.pins()
+        pins = self.pins() if pins is None else pins
         full = anchors.get("full")
         forks = {end for _, end in manifests[full].lineage[:-1]} if full in manifests else set()
         decided = plan(names, policy=policy, newest=anchors, lineage=lineage, pins=pins,
