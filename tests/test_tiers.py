@@ -186,6 +186,19 @@ def test_retention_with_tiers_keeps_milestones_the_best_and_a_pin_made_on_one_no
     assert "gen-000000000005" not in control[1]["own"] + control[1]["replica"], control[1]
 
 
+def test_a_second_save_at_one_update_with_tiers_is_a_no_op_when_nothing_changed_and_a_revision_otherwise(tmp_path):
+    """Before, every such save was a new revision, and finish() raised (it verified the generation as if node 0
+    held every file)."""
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for result in launch_nodes(tmp_path / "out", dirs, ["tier_same_update"], worker=WORKER, nproc=1).ok(
+            "tier_same_update", 2):
+        first, revision, last = "gen-000000000002", "gen-000000000002-r001", "gen-000000000002-r002"
+        assert result["names"] == [first, first, revision, revision, last], result
+        assert result["own"] == [first, revision, last] and result["replica"] == [first, revision, last], result
+        assert result["latest"] == last and result["leftovers"] == [], result  # every staging discarded
+        assert result["done"], result  # finish reused the revision and wrote DONE on every node
+
+
 def test_a_node_without_room_refuses_the_save_everywhere_before_anything_is_written(tmp_path, tmpfs):
     dirs = [tmp_path / "node0", tmpfs.mount("48k", "node1")]  # node 1: too small for its share (a real ENOSPC check)
     launched = launch_nodes(tmp_path / "out", dirs, ["tier_no_space"], worker=WORKER, nproc=1)

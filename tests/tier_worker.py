@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_worker as dw  # noqa: E402
 
 import trainstate as ts  # noqa: E402
+from trainstate.storage.local import LocalStore  # noqa: E402
 
 TOTAL, SAVED = 10, 6
 SCENARIOS = {}
@@ -169,6 +170,33 @@ def tier_retention(out: Path) -> dict:
             else None
     return {**held, "restored": restored.generation.name if restored else None,
             "sources": restored.sources if restored else None}
+
+
+@scenario
+def tier_same_update(out: Path) -> dict:
+    """Saves at one update: the same state again (and ``finish``) returns the generation that holds it, writing
+    nothing; a changed learning rate becomes a revision, saving that again writes nothing, and one changed element
+    of rank 1's shard is a revision again."""
+    state = dw.build(mode())
+    dw.train(state, 2)
+    names = []
+    with tiered() as ckpt:
+        names.append(ckpt.save(state).name)
+        names.append(ckpt.save(state).name)  # unchanged
+        for group in state["optimizer"].param_groups:
+            group["lr"] *= 0.5
+        names.append(ckpt.save(state).name)  # changed: a revision
+        names.append(ckpt.save(state, blocking=False).wait().name)  # unchanged again
+        with torch.no_grad():  # only a tensor's bytes change (one element of one rank's shard)
+            next(state["model"].parameters()).to_local().view(-1)[:1].add_(1.0 if dist.get_rank() == 1 else 0.0)
+        names.append(ckpt.save(state).name)
+        ckpt.finish(state)
+        ckpt.wait()
+        held = {"own": sorted(p.name for p in node_dir().glob("gen-*")),
+                "replica": sorted(p.name for p in (node_dir() / "replicas").glob("gen-*")),
+                "leftovers": ckpt.store.leftovers() + LocalStore(node_dir() / "replicas").leftovers(),
+                "done": (node_dir() / "DONE").is_file(), "latest": ckpt.latest()}
+    return {"names": names, **held}
 
 
 @scenario

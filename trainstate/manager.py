@@ -419,9 +419,10 @@ class CheckpointManager:
     def finish(self, state: TrainState, *, metrics: Mapping[str, float] | None = None) -> done_mod.DoneRecord:
         """Publish the final full generation (or reuse the one at this update), then write the DONE record
         binding the run, its manifest digest, clocks, contract fingerprint and ``metrics`` (see ``ts.done``)."""
-        # saved (or restored) at this update already, under its name or a revision of it
         reuse = state.parent is not None and parse_generation_name(state.parent) == (state.next_update, "full")
         info = self.save(state, metrics=None if reuse else metrics)
+        if self._session is not None and self._session.tier is not None:  # on every node, each its own holding
+            return self._session.write_done(self, info.name, state.tokens_seen, metrics)
         return self._leader(lambda: done_mod.write(self.store, self.key, info.name, state.tokens_seen, metrics),
                             "finish")
 

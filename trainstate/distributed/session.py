@@ -172,6 +172,8 @@ class Session:
         tier, key = self.tier, manager.key
         info, manifest_bytes = tiersave.publish(pending.snap, pending, ranks, tier, manager._publisher, key)
         manager._publisher.published = info.name
+        if not manifest_bytes:  # the state this update's generation already holds: nothing new to replicate
+            return info
         self._published_bytes = info.size  # for the blocking time the manager's clock reports (record_blocking)
         upload = tier.remote is not None and tier.remote.due(info.name)
 
@@ -201,6 +203,20 @@ class Session:
         later = finish if tier.wait_replicas else lambda group: (replicate(group), finish(group))[1]
         self._later(manager, f"{info.name} (replicas, upload)", later)
         return info
+
+    def write_done(self, manager: Any, generation: str, tokens_seen: int, metrics: Any) -> Any:
+        """The DONE record in every node's directory, each node's leader checking its own holding; rank 0's record
+        on every rank (a failure on any node raises on every rank)."""
+        from ..lifecycle import done as done_mod
+
+        record, error = None, None
+        if self.tier.topology.is_leader:
+            try:
+                record = done_mod.write(manager.store, manager.key, generation, tokens_seen, metrics,
+                                        holding=manager.lifecycle.structure_check).to_json()
+            except (TrainStateError, OSError) as exc:
+                error = exc
+        return done_mod.DoneRecord(**self.fg.exchange(record, error, "finish", 8192)[0])
 
     def _later(self, manager: Any, what: str, job: Any) -> None:
         """``job(ranks)`` on the manager's writer thread, on the background group: the next save, ``wait``,

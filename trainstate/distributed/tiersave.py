@@ -23,6 +23,11 @@ Every rank runs :func:`publish` on the checkpoint group; each node's leader
    therefore names only a generation every node had committed: the local
    tier as a whole can serve it.
 
+A second save at an update whose generation every node holds and names as
+``latest`` is staged as its next revision; if every staged file and the
+metrics equal that generation's, rank 0 says so in step 3 instead, every
+leader discards its staging, and the save returns that generation.
+
 Each step ends in one round: a fixed-size ``all_gather`` of every rank's
 values and errors together (:meth:`.Ranks.exchange`).
 
@@ -59,7 +64,8 @@ from ..format.manifest import (MANIFEST, POINTER, RUN, Manifest, Pointer, genera
                                parse_generation_name, parse_manifest, parse_run, run_to_bytes)
 from ..publish import Pending
 from ..records import GenerationInfo
-from ..storage.verify import Verified, read_manifest
+from ..revisions import same_files
+from ..storage.verify import Verified, read_manifest, read_pointed
 from .capture import RankSnapshot
 from .commit import _sharded_bytes, build_manifest, stage_records
 from .group import Ranks, _global_rank, collective
@@ -70,17 +76,27 @@ from .tierprune import prune  # noqa: F401  (the save calls tiersave.prune: a te
 
 log = logging.getLogger("trainstate")
 PIECE = 16 << 20  # one message between ranks while replicating
+SAME = 1 << 63  # flags rank 0's hand-over: the state equals a generation every node holds (nothing is committed)
 
 
 def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publisher: Any,
             key: Any) -> tuple[GenerationInfo, bytes]:
     """Publish one generation into the local tier; returns (on every rank) its info and the manifest's bytes."""
-    staging, joined = _begin(snap, pending, ranks, tier, publisher, key)
+    staging, joined, same_as = _begin(snap, pending, ranks, tier, publisher, key)
     committed: list[bool] = []  # set by _complete once this leader's holding is committed
     try:
         records = _stage(snap, ranks, staging, joined)
-        written = _write(snap, pending, ranks, staging, records, key)
+        base = _base(tier, same_as, key) if same_as and ranks.rank == 0 else None
+        written = _write(snap, pending, ranks, staging, records, key, base)
         manifest, manifest_bytes, error = _complete(pending, ranks, tier, staging, written, key, committed)
+        if error is None and manifest.generation != pending.name:  # every byte as ``same_as`` holds them
+            if tier.topology.is_leader:
+                staging.abort()
+            publisher.was_published_as(pending.prepared, manifest.generation)
+            log.info("%s already holds this state (the same update, the same bytes by digest): nothing written",
+                     manifest.generation)
+            verified = Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
+            return GenerationInfo.from_verified(tier.own, verified), b""
         verified = _verify(manifest, manifest_bytes, ranks, tier, key, error)
         _point(verified, ranks, tier, key)
     except BaseException:
@@ -100,6 +116,7 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
     after the second round; its error (if any) is returned, and reported in the stage round."""
     size = sum(t.nbytes for t in snap.rank_tensors.values()) + sum(t.nbytes for t in snap.global_tensors.values())
     size += sum(_sharded_bytes(v) for v in snap.dcp.values())
+    pending.parent = publisher.renamed.get(pending.parent, pending.parent)  # a background save's revision
     topo = tier.topology
     report: dict[str, Any] = {}
     error = None
@@ -109,8 +126,11 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
             for store in tier.stores().values():
                 for leftover in store.clean_leftovers():
                     log.info("removed leftover %s from an interrupted save", leftover)
+            own = tier.own.generations()
+            at = read_pointed(tier.own, POINTER, key) if pending.name in own else None  # a second save at an update
             report = {"names": sorted({n for s in tier.stores().values() for n in s.generations()}),
-                      "run": _recorded_run(tier, key), "free": tier.own.free_bytes()}
+                      "run": _recorded_run(tier, key), "free": tier.own.free_bytes(),
+                      "at": at.generation if at is not None and at.generation in own else None}
         except (TrainStateError, OSError) as exc:
             error = exc
     lineage = pending.extra["lineage"] if ranks.rank == 0 else None
@@ -123,6 +143,11 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
     if run is None:  # a new run: rank 0 names it, every node records it
         run = ranks.broadcast(publisher.run_identity() if ranks.rank == 0 else None, "begin")
     name = _fresh_name(pending.name, [n for r in reports for n in r.get("names", ())])
+    # a second save at this update of a state that descends from the generation there, which every node holds and
+    # names as latest: if every byte is the same (rank 0 compares at the commit), nothing is committed
+    same_as = pending.parent if name != pending.name and pending.parent is not None \
+        and parse_generation_name(pending.parent) == (pending.next_update, "full") \
+        and all(reports[topo.leader(n)].get("at") == pending.parent for n in range(topo.nodes)) else None
     error, staging = None, None
     if topo.is_leader:
         try:
@@ -148,7 +173,17 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
             staging = tier.own.join(name, shared[topo.leader(topo.node)])
         except (ValueError, OSError) as exc:
             joined = exc
-    return staging, joined
+    return staging, joined, same_as
+
+
+def _base(tier: Tier, name: str, key: Any) -> tuple[Manifest, bytes] | None:
+    """Rank 0: the manifest of the generation a second save at its update may turn out to equal."""
+    try:
+        with tier.own.open(name, MANIFEST) as stream:
+            data = stream.read()
+        return read_manifest_bytes(data, name, key), data
+    except (TrainStateError, OSError):
+        return None  # unreadable here: the save is a revision, as any changed state is
 
 
 def _fresh_name(name: str, existing: list[str]) -> str:
@@ -199,12 +234,18 @@ def _stage(snap: RankSnapshot, ranks: Ranks, staging: Any, joined: BaseException
     return records
 
 
-def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, records: list, key: Any) -> bytes:
+def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, records: list, key: Any,
+           base: tuple[Manifest, bytes] | None = None) -> bytes:
     """DCP writes the shards into each node's staging; rank 0 writes the manifest into node 0's (no commit yet)
-    and returns what every other leader needs: the manifest and the global files, in one buffer."""
+    and returns what every other leader needs: the manifest and the global files, in one buffer. When every file
+    and the metrics equal ``base``'s, it returns ``base``'s manifest instead, flagged (the top bit of the length)."""
     written: dict[str, bytes] = {}
 
     def manifest(metadata: bytes, every_file: list) -> None:
+        metrics = pending.extra["metrics"]  # none given: unchanged, as for one directory (revisions._changes)
+        if base is not None and same_files(every_file, base[0]) and (not metrics or metrics == base[0].metrics):
+            written["same"] = base[1]
+            return
         built = build_manifest(snap, pending, ranks.world_size, staging._store.digest_algorithm, every_file)
         written["manifest"] = built.to_bytes(key)
         written[DCP_METADATA] = metadata  # in memory already: not read back from the staging
@@ -216,6 +257,8 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
         dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
     if ranks.rank != 0:
         return b""
+    if "same" in written:
+        return (len(written["same"]) | SAME).to_bytes(8, "big") + written["same"]
     parts = [written["manifest"]]
     for name in written["globals"]:
         if name in written:
@@ -236,8 +279,11 @@ def _complete(pending: Pending, ranks: Ranks, tier: Tier, staging: Any, written:
     payload = memoryview(broadcast_bytes(ranks, written, 0, "complete"))
     manifest, manifest_bytes, error = None, b"", None
     try:
-        manifest_bytes = bytes(payload[8:8 + int.from_bytes(payload[:8], "big")])
+        length = int.from_bytes(payload[:8], "big")
+        manifest_bytes = bytes(payload[8:8 + (length & ~SAME)])
         manifest = read_manifest_bytes(manifest_bytes, pending.name, key)
+        if length & SAME:  # the state a generation already holds: nothing to write or commit
+            return manifest, manifest_bytes, None
         if topo.is_leader:
             if topo.node != 0:
                 offset = 8 + len(manifest_bytes)

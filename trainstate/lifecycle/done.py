@@ -24,7 +24,7 @@ import dataclasses
 import datetime
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from ..format.manifest import POINTER, RUN, load_json, parse_generation_name, pa
 from ..format.signing import SigningKey
 from ..state import contract as contract_mod
 from ..storage.base import Store
-from ..storage.verify import read_state_json, verify_generation
+from ..storage.verify import read_manifest, read_state_json, verify_generation
 
 DONE = "DONE"
 FORMAT = "trainstate-done"
@@ -102,16 +102,22 @@ def record_for(manifest: Any, manifest_digest: str, manifest_size: int, tokens_s
 
 
 def write(store: Store, key: SigningKey | None, generation: str, tokens_seen: int,
-          metrics: Mapping[str, float] | None = None) -> DoneRecord:
+          metrics: Mapping[str, float] | None = None, holding: Callable[[str], Any] | None = None) -> DoneRecord:
     """Write the DONE record for the published full ``generation``, durably, then read it back and check it.
 
     The generation is verified (structure; its bytes were read back when it
-    was published) before the record names it.
+    was published) before the record names it; ``holding``: how a node of a
+    tiered run checks the part of it that it holds, instead.
     """
-    verified = verify_generation(store, generation, content=False, key=key)
-    if verified.manifest.kind != "full":
+    if holding is None:
+        verified = verify_generation(store, generation, content=False, key=key)
+        manifest, digest, size = verified.manifest, verified.manifest_digest, verified.manifest_size
+    else:
+        manifest, digest, size = read_manifest(store, generation, None, key)
+        holding(generation)
+    if manifest.kind != "full":
         raise InvalidArgument(f"{generation} is weights-only; a run finishes on a full generation")
-    record = record_for(verified.manifest, verified.manifest_digest, verified.manifest_size, tokens_seen, metrics)
+    record = record_for(manifest, digest, size, tokens_seen, metrics)
     data = record.to_bytes(key)
     store.write_pointer(DONE, data)  # temp file, fsync, replace, fsync of the directory (or an atomic put)
     if store.read_pointer(DONE) != data or parse(data, key) != record:
