@@ -306,8 +306,10 @@ _MISSING = "missing, but generations exist"
 
 
 def _listing_run_pointer(store: Store, key: SigningKey | None) -> tuple[list[str], str | None, tuple]:
-    """The generations, the run identity and the ``latest`` pointer, read side by side: on an object store three
-    requests in the time of one."""
+    """The generations, the run identity and the ``latest`` pointer: on an object store read side by side (three
+    requests in the time of one); locally one after another (threads would only add to the restore's fixed cost)."""
+    if not getattr(store, "remote", False):
+        return store.generations(), expected_run(store, key), read_pointer(store, key, True)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainstate-choose") as pool:
         run = pool.submit(expected_run, store, key)
         pointer = pool.submit(read_pointer, store, key, True)

@@ -33,15 +33,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CheckpointFailed, CorruptGeneration, NoValidGeneration, Rejection, StateMismatch, TrainStateError
-from ..format.digest import CHUNK_BYTES, digest_bytes
+from ..format.digest import CHUNK_BYTES
 from ..format.manifest import MANIFEST, POINTER, RUN, generation_order, parse_generation_name, run_to_bytes
 from ..records import RestoreInfo
 from ..state.train_state import TrainState
-from ..storage.verify import Verified
 from . import load
 from .group import Ranks
 from .tierfetch import Holdings
-from .tiers import Tier, broadcast_bytes, holdings, node_files, parse_shared_manifest, placement, rank_files
+from .tiers import (Tier, broadcast_bytes, holdings, node_files, parse_shared_manifest, placement, rank_files,
+                    verified_from)
 from .tiersave import _point, _recorded_run, _write_checked, check_holding
 
 log = logging.getLogger("trainstate")
@@ -248,7 +248,7 @@ def _refill(view: Holdings, manifest: Any, manifest_bytes: bytes, ranks: Ranks, 
     ranks.check("refill", error)
     if topo.is_leader and manifest.run and _recorded_run(tier, key) is None:  # a replacement node joins the run
         tier.own.write_pointer(RUN, run_to_bytes(manifest.run, key))
-    verified = Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
+    verified = verified_from(manifest, manifest_bytes)
     _point(verified, ranks, tier, key)
     whole = True
     if topo.is_leader and replicas:

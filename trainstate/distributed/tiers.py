@@ -41,7 +41,7 @@ from ..format.digest import digest_bytes
 from ..format.manifest import MANIFEST, POINTER, Manifest, Pointer, parse_generation_name, parse_manifest
 from ..format.signing import SigningKey
 from ..storage.local import LocalStore
-from ..storage.verify import read_manifest, read_pointed
+from ..storage.verify import Verified, read_manifest, read_pointed
 from .group import Ranks, _global_rank, collective
 
 REPLICAS = "replicas"  # the replicated tier's store, inside the node's directory
@@ -215,6 +215,11 @@ def node_files(manifest: Manifest, ranks_on_node: list[int]) -> list[str]:
     present = {f.name for f in manifest.files}
     return [f for f in GLOBAL_FILES if f in present] + [f for r in ranks_on_node if r < len(manifest.ranks)
                                                           for f in rank_files(manifest, r)]
+
+
+def verified_from(manifest: Manifest, manifest_bytes: bytes) -> Verified:
+    """A manifest checked where it was parsed (digest, signature), with the digest and size of its bytes."""
+    return Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
 
 
 def parse_shared_manifest(data: bytes, name: str, digest: str, key: SigningKey | None) -> Manifest:

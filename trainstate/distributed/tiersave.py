@@ -64,14 +64,14 @@ from ..format.manifest import (MANIFEST, POINTER, RUN, Manifest, Pointer, genera
                                parse_generation_name, parse_manifest, parse_run, run_to_bytes)
 from ..publish import Pending
 from ..records import GenerationInfo
-from ..revisions import same_files
+from ..revisions import log_same, same_files
 from ..storage.verify import Verified, read_manifest, read_pointed
 from .capture import RankSnapshot
 from .commit import _sharded_bytes, build_manifest, stage_records
 from .group import Ranks, _global_rank, collective
 from .planner import SavePlanner
 from .storage import DCP_METADATA, Writer
-from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, node_files, placement, rank_files
+from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, node_files, placement, rank_files, verified_from
 from .tierprune import prune  # noqa: F401  (the save calls tiersave.prune: a test aims kills at it)
 
 log = logging.getLogger("trainstate")
@@ -93,10 +93,8 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publ
             if tier.topology.is_leader:
                 staging.abort()
             publisher.was_published_as(pending.prepared, manifest.generation)
-            log.info("%s already holds this state (the same update, the same bytes by digest): nothing written",
-                     manifest.generation)
-            verified = Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
-            return GenerationInfo.from_verified(tier.own, verified), b""
+            log_same(manifest.generation)
+            return GenerationInfo.from_verified(tier.own, verified_from(manifest, manifest_bytes)), b""
         verified = _verify(manifest, manifest_bytes, ranks, tier, key, error)
         _point(verified, ranks, tier, key)
     except BaseException:
@@ -128,7 +126,7 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
                     log.info("removed leftover %s from an interrupted save", leftover)
             own = tier.own.generations()
             at = read_pointed(tier.own, POINTER, key) if pending.name in own else None  # a second save at an update
-            report = {"names": sorted({n for s in tier.stores().values() for n in s.generations()}),
+            report = {"names": sorted({*own, *tier.replica.generations()}),
                       "run": _recorded_run(tier, key), "free": tier.own.free_bytes(),
                       "at": at.generation if at is not None and at.generation in own else None}
         except (TrainStateError, OSError) as exc:
@@ -143,8 +141,7 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
     if run is None:  # a new run: rank 0 names it, every node records it
         run = ranks.broadcast(publisher.run_identity() if ranks.rank == 0 else None, "begin")
     name = _fresh_name(pending.name, [n for r in reports for n in r.get("names", ())])
-    # a second save at this update of a state that descends from the generation there, which every node holds and
-    # names as latest: if every byte is the same (rank 0 compares at the commit), nothing is committed
+    # the state's parent at this update, held and named latest by every node: the same bytes commit nothing
     same_as = pending.parent if name != pending.name and pending.parent is not None \
         and parse_generation_name(pending.parent) == (pending.next_update, "full") \
         and all(reports[topo.leader(n)].get("at") == pending.parent for n in range(topo.nodes)) else None
@@ -312,7 +309,7 @@ def _verify(manifest: Manifest | None, manifest_bytes: bytes, ranks: Ranks, tier
         except (TrainStateError, OSError) as exc:
             error = exc
     ranks.exchange(None, error, "commit")
-    return Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
+    return verified_from(manifest, manifest_bytes)
 
 
 def read_manifest_bytes(data: bytes, name: str, key: Any) -> Manifest:
@@ -401,7 +398,7 @@ def replicate(name: str, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: A
         if staging is not None:
             staging.abort()
         raise
-    verified = Verified(manifest, digest_bytes(manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
+    verified = verified_from(manifest, manifest_bytes)
     _point(verified, ranks, tier, key, POINTER, tier.replica)
 
 
