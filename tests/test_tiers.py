@@ -192,9 +192,12 @@ def test_a_second_save_at_one_update_with_tiers_is_a_no_op_when_nothing_changed_
     dirs = [tmp_path / "node0", tmp_path / "node1"]
     for result in launch_nodes(tmp_path / "out", dirs, ["tier_same_update"], worker=WORKER, nproc=1).ok(
             "tier_same_update", 2):
-        first, revision, last = "gen-000000000002", "gen-000000000002-r001", "gen-000000000002-r002"
-        assert result["names"] == [first, first, revision, revision, last], result
-        assert result["own"] == [first, revision, last] and result["replica"] == [first, revision, last], result
+        first, revision = "gen-000000000002", "gen-000000000002-r001"
+        changed = [f"gen-000000000002-r00{r}" for r in (2, 3, 4)]
+        last = changed[-1]
+        assert result["names"] == [first, first, revision, revision, *changed], result
+        kept = [first, revision, *changed]
+        assert result["own"] == kept and result["replica"] == kept, result
         assert result["latest"] == last and result["leftovers"] == [], result  # every staging discarded
         assert result["done"], result  # finish reused the revision and wrote DONE on every node
 

@@ -175,8 +175,8 @@ def tier_retention(out: Path) -> dict:
 @scenario
 def tier_same_update(out: Path) -> dict:
     """Saves at one update: the same state again (and ``finish``) returns the generation that holds it, writing
-    nothing; a changed learning rate becomes a revision, saving that again writes nothing, and one changed element
-    of rank 1's shard is a revision again."""
+    nothing; a changed learning rate becomes a revision, saving that again writes nothing, and each of one changed
+    element of rank 1's shard, a draw from rank 1's generator and a write through ``.data`` is a revision again."""
     state = dw.build(mode())
     dw.train(state, 2)
     names = []
@@ -189,6 +189,13 @@ def tier_same_update(out: Path) -> dict:
         names.append(ckpt.save(state, blocking=False).wait().name)  # unchanged again
         with torch.no_grad():  # only a tensor's bytes change (one element of one rank's shard)
             next(state["model"].parameters()).to_local().view(-1)[:1].add_(1.0 if dist.get_rank() == 1 else 0.0)
+        names.append(ckpt.save(state).name)
+        if dist.get_rank() == 1:  # only rank 1's generator moves (its per-rank file changes, nothing else)
+            torch.randn(1, generator=state.rngs["noise"])
+        names.append(ckpt.save(state).name)
+        for module in state["model"].modules():  # a write through .data on rank 0's shard of the last layer
+            if isinstance(module, torch.nn.Linear) and dist.get_rank() == 0:
+                module.bias.data.to_local().view(-1)[:1].mul_(2.0)
         names.append(ckpt.save(state).name)
         ckpt.finish(state)
         ckpt.wait()
