@@ -696,3 +696,20 @@ def _copy_exact(reader: BinaryIO, write: Callable[[bytes], Any], size: int) -> N
             raise ConnectionError("connection closed inside a message body")
         write(data)
         size -= len(data)
+
+
+def counted_puts(uploaded: list[int]) -> Callable:
+    """``Client.put_stream`` adding each upload's bytes to ``uploaded[-1]`` (the caller appends a 0 per save),
+    counted at the client as they are handed over: install it with ``monkeypatch.setattr`` or by hand."""
+    from trainstate.storage.objectclient import Client
+
+    real = Client.put_stream
+
+    def counted(self, key, views, part_size):
+        def each():
+            for view in views:
+                uploaded[-1] += len(view)
+                yield view
+        return real(self, key, each(), part_size)
+
+    return counted

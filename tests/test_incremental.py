@@ -22,7 +22,7 @@ import torch
 import trainstate as ts
 from trainstate import cli
 from trainstate.state import changes
-from objectservers import moto_server  # noqa: F401  (fixture)
+from objectservers import counted_puts, moto_server  # noqa: F401  (fixture)
 
 BASE = "part-"
 
@@ -247,16 +247,7 @@ def test_an_object_store_and_a_mirror_upload_only_what_changed(tmp_path, moto_se
     from trainstate.storage.objectclient import Client
 
     uploaded: list[int] = []
-    real = Client.put_stream
-
-    def counted(self, key, views, part_size):
-        def each():
-            for view in views:
-                uploaded[-1] += len(view)
-                yield view
-        return real(self, key, each(), part_size)
-
-    monkeypatch.setattr(Client, "put_stream", counted)
+    monkeypatch.setattr(Client, "put_stream", counted_puts(uploaded))
     options = moto_server.storage_options()
     url = moto_server.url(moto_server.make_bucket(), "run")
     state, saved = _state(), {}
@@ -354,24 +345,3 @@ def test_the_lightning_plugin_links_a_frozen_base(tmp_path):
         loaded = TrainStateCheckpointIO(tmp_path / "run").load_checkpoint(path)
         assert loaded["global_step"] == checkpoint["global_step"]
         assert all(torch.equal(loaded["state_dict"][k], v) for k, v in checkpoint["state_dict"].items())
-
-
-def test_full_every_is_refused_under_torch_distributed(tmp_path):
-    """Multi-rank runs write every shard at every save for now: asking for incremental generations there is an
-    InvalidArgument that says so, not a silent full save (a one-rank gloo group in a child process)."""
-    import subprocess
-    import sys
-
-    script = f"""
-import socket, torch.distributed as dist, trainstate as ts
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
-try:
-    ts.CheckpointManager({str(tmp_path / "run")!r}, full_every=4)
-except ts.InvalidArgument as exc:
-    print("refused:", exc)
-finally:
-    dist.destroy_process_group()
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "refused: full_every" in out.stdout and "single-process" in out.stdout, (out.stdout, out.stderr[-2000:])

@@ -45,7 +45,7 @@ __all__ = ["Cadence", "CheckpointManager", "GenerationInfo", "IN_PLACE_BYTES", "
 log = logging.getLogger("trainstate")
 
 
-def _session(process_group: Any, timeout_s: float) -> Any:
+def _session(process_group: Any, timeout_s: float, full_every: int | None) -> Any:
     """Multi-rank mode when a process group is given or initialized; every rank builds the manager together."""
     import torch.distributed as dist
 
@@ -53,7 +53,7 @@ def _session(process_group: Any, timeout_s: float) -> Any:
         return None
     from .distributed.session import Session  # DCP is imported only by multi-rank runs
 
-    return Session(process_group, timeout_s)
+    return Session(process_group, timeout_s, full_every)
 
 
 class CheckpointManager:
@@ -126,8 +126,8 @@ class CheckpointManager:
         self._origin: int | None = None  # where the cadence started counting (first due() call)
         self._writer = Writer(max_in_flight)
         weakref.finalize(self, report_at_exit, self._writer, str(directory))
-        self._session = _session(process_group, collective_timeout_s)  # multi-rank mode, or None
-        self._publisher.full_every = publish.check_full_every(full_every, multi_rank=self._session is not None)
+        self._publisher.full_every = publish.check_full_every(full_every)
+        self._session = _session(process_group, collective_timeout_s, full_every)  # multi-rank mode, or None
         tiered = replicas is not None or node is not None or failure_domain is not None
         if tiered or mirror_every != 1:  # node-local tiers; mirror= is then their remote tier
             from .distributed.tieroptions import attach

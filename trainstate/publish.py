@@ -114,15 +114,12 @@ def check_options(*, verify: str, rehearse: Factory | None, headroom: float) -> 
         raise InvalidType("rehearse must be a function returning a fresh TrainState")
 
 
-def check_full_every(full_every: int | None, *, multi_rank: bool) -> int | None:
+def check_full_every(full_every: int | None) -> int | None:
     """``full_every``: ``None`` (every generation self-contained) or N >= 1 (incremental, every N-th whole)."""
     if full_every is None:
         return None
     if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
         raise InvalidArgument(f"full_every must be a whole number of saves >= 1, or None; got {full_every!r}")
-    if multi_rank:
-        raise InvalidArgument("full_every (incremental generations) is single-process for now: a multi-rank run "
-                              "writes every shard at every save. Leave full_every unset under torch.distributed")
     return full_every
 
 

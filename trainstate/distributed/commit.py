@@ -192,7 +192,7 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
     ``{"manifest": bytes}`` or ``{"same": GenerationInfo fields}``."""
     written: dict[str, Any] = {}
 
-    def commit(metadata: bytes, every_file: list[FileRecord]) -> None:
+    def commit(metadata: bytes, every_file: list[FileRecord], incremental: dict) -> None:
         # rank 0, inside DCP's finish: every rank's records are here; the manifest goes last, then the rename
         base = pending.unless_same
         if base is not None:
@@ -202,20 +202,22 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
                 written["same"] = dataclasses.asdict(GenerationInfo.from_verified(staging._store, base))
                 return
             revisions.log_revision(pending, base.manifest.generation, ["tensor bytes, by digest"])
-        manifest = build_manifest(snap, pending, ranks.world_size, staging._store.digest_algorithm, every_file)
+        manifest = build_manifest(snap, pending, ranks.world_size, staging._store.digest_algorithm, every_file,
+                                  incremental)
         written["manifest"] = manifest.to_bytes(key)
         staging.write(MANIFEST, [written["manifest"]])
         staging.commit()
 
-    writer = Writer(staging, ranks.rank, ranks.world_size, records, commit)
+    writer = Writer(staging, ranks.rank, ranks.world_size, records, commit, getattr(pending, "increment", None))
     with collective("write", ranks):
         dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
     return written
 
 
 def build_manifest(snap: RankSnapshot, pending: Pending, world_size: int, algorithm: str,
-                   every_file: list[FileRecord]) -> Manifest:
-    """The manifest of a multi-rank generation: every rank's file records, and which rank wrote which file."""
+                   every_file: list[FileRecord], incremental: dict) -> Manifest:
+    """The manifest of a multi-rank generation: every rank's file records, and which rank wrote which file;
+    ``incremental``: the format-4 fields (fingerprints, shares) when saved with ``full_every``."""
     per_rank = [[f.name for f in every_file if _owner(f.name) == r] for r in range(world_size)]
     return Manifest(
         generation=pending.name, kind=pending.kind, next_update=pending.next_update, digest_algorithm=algorithm,
@@ -223,7 +225,7 @@ def build_manifest(snap: RankSnapshot, pending: Pending, world_size: int, algori
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
         contract_fingerprint=contract_mod.digest(snap.global_skeleton["contract"]["fields"]),
         versions=snap.global_skeleton["contract"]["versions"], parent=pending.parent,
-        world_size=world_size, ranks=per_rank, **pending.extra)
+        world_size=world_size, ranks=per_rank, **pending.extra, **incremental)
 
 
 def _owner(name: str) -> int:
@@ -241,7 +243,7 @@ def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: P
     error: BaseException | None = None
     verified = None
     try:
-        manifest = parse_manifest(shared.encode(), f"{pending.name}/{MANIFEST}", key)
+        manifest = pending.manifest = parse_manifest(shared.encode(), f"{pending.name}/{MANIFEST}", key)
         if ranks.rank == 0:
             verified = verify_generation(store, pending.name, content=False, key=key)
             if verified.manifest.to_bytes(key) != manifest_bytes:

@@ -28,6 +28,7 @@ from ..state.train_state import TrainState
 from . import commit, load
 from .capture import RankSnapshot, capture, sharded_state
 from .group import DEFAULT_TIMEOUT_S, Ranks, checkpoint_groups
+from .increments import RankIncrements
 
 log = logging.getLogger("trainstate")
 
@@ -37,6 +38,8 @@ class DistPending(Pending):
     """A prepared multi-rank generation: this rank's share besides the manifest fields."""
 
     snap: RankSnapshot | None = None
+    increment: Any = None  # full_every: what this rank's shard may link (increments.ShardPlan)
+    manifest: Any = None  # the committed manifest, as every rank parsed it
 
     def changed_bytes(self, manifest: Any) -> None:
         """Unknown until written: the shards' bytes exist only once DCP has planned and written them, so
@@ -51,11 +54,12 @@ def initialized(process_group: Any) -> bool:
 class Session:
     """The checkpoint groups of one manager, and the multi-rank steps of save and restore."""
 
-    def __init__(self, process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, process_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, full_every: int | None = None):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise InvalidArgument(f"collective_timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.fg, self.bg = checkpoint_groups(process_group, float(timeout_s))
         self.tier: Any = None  # node-local tiers (attach_tier), or None: one directory every rank shares
+        self.increments = None if full_every is None else RankIncrements(full_every)  # shards by what changes
 
     def attach_tier(self, store: Any, replicas: int, keep_last: int, node: Any, failure_domain: Any,
                     wait_replicas: bool, preflight: bool, headroom: float, remote: Any = None,
@@ -157,11 +161,18 @@ class Session:
 
     def publish(self, manager: Any, pending: DistPending, background: bool) -> GenerationInfo:
         ranks = self.bg if background else self.fg
+        if self.increments is not None and pending.kind == "full":
+            store = self.tier.own if self.tier is not None else manager.store
+            pending.increment = self.increments.begin(store, manager.key, pending.parent)
         if self.tier is not None:
-            return self._publish_tiered(manager, pending, ranks, background)
-        return commit.publish(pending.snap, pending, ranks, manager.store,
-                              manager._publisher if self.rank == 0 else None, manager.key,
-                              content=manager._publisher.verify_mode == "full")
+            info = self._publish_tiered(manager, pending, ranks, background)
+        else:
+            info = commit.publish(pending.snap, pending, ranks, manager.store,
+                                  manager._publisher if self.rank == 0 else None, manager.key,
+                                  content=manager._publisher.verify_mode == "full")
+        if self.increments is not None:
+            self.increments.published(pending.manifest, pending.increment)
+        return info
 
     def _publish_tiered(self, manager: Any, pending: DistPending, ranks: Ranks, background: bool) -> GenerationInfo:
         """The local tier's commit on this thread. The replicas and an upload follow on the writer thread (behind

@@ -13,7 +13,9 @@ are ``torch.save`` archives. Here:
   rank loads them) go into ``shard-<rank>-small.safetensors`` instead, so that
   a rank whose own pieces are all in its own shard reads nothing else of any
   other rank's shard: on an object store a foreign shard costs at least the
-  4 MiB chunk a digest covers, a small file only its own few bytes;
+  4 MiB chunk a digest covers, a small file only its own few bytes; with
+  ``full_every`` the shard is split by what changes, and the parts that did
+  not are linked from the parent (:mod:`.increments`);
 - DCP's global metadata is JSON (``dcp-metadata.json``), rebuilt into DCP's
   ``Metadata`` on read by a strict parser;
 - non-tensor items are trainstate's tagged JSON (see :mod:`.planner`).
@@ -51,13 +53,10 @@ from ..format import tensorfile
 from ..format.digest import CHUNK_BYTES
 from ..format.manifest import FileRecord
 from ..storage import chunked
+from .increments import ShardPlan, manifest_fields, shard_file
 
 DCP_METADATA = "dcp-metadata.json"
 _FORMAT = "trainstate-dcp-metadata"
-
-
-def shard_file(rank: int) -> str:
-    return f"shard-{rank:05d}.safetensors"
 
 
 def small_file(rank: int) -> str:
@@ -153,10 +152,11 @@ class Writer(StorageWriter):
     """Writes one rank's DCP items into the shared staging directory (see the module docstring)."""
 
     def __init__(self, staging: Any, rank: int, world_size: int, rank_files: list[FileRecord],
-                 on_finish: Callable[[bytes, list[FileRecord]], None]):
+                 on_finish: Callable[[bytes, list[FileRecord], dict], None], increment: ShardPlan | None = None):
         self.staging, self.rank, self.world_size = staging, rank, world_size
         self.rank_files = rank_files
-        self.on_finish = on_finish
+        self.on_finish = on_finish  # (DCP's metadata, every file's record, the manifest's format-4 fields)
+        self.increment = increment  # full_every: this rank's shard by what changes (see .increments)
         self.plan_files: dict[int, list[FileRecord]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -178,7 +178,7 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
         files: dict[str, dict[str, torch.Tensor]] = {shard_file(self.rank): {}, small_file(self.rank): {}}
-        results = []
+        placed = []  # (item, entry name, its bytes, file)
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -189,8 +189,15 @@ class Writer(StorageWriter):
             name = entry_name(item.index)
             file = small_file(self.rank) if _small_and_replicated(item, tensor) else shard_file(self.rank)
             files[file][name] = tensor
-            results.append(WriteResult(index=item.index, size_in_bytes=tensor.nbytes,
-                                       storage_data={"file": file, "entry": name}))
+            placed.append((item, name, tensor, file))
+        extra: dict[str, dict] = {}  # by file: the record, and with full_every its items' fingerprints and share
+        if self.increment is not None:  # the shard by what changes: unchanged parts linked from the parent
+            stored, prints = self.increment.write(self.staging, self.rank, files.pop(shard_file(self.rank)))
+            moved = {n: s.file for s in stored for n in s.names}
+            placed = [(i, n, t, moved.get(n, f)) for i, n, t, f in placed]
+            for s in stored:
+                extra[s.file] = {"record": dataclasses.astuple(s.record), "share": s.share,
+                                 "prints": {n: prints[n].to_json() for n in s.names}}
         for file, tensors in files.items():
             if not tensors:
                 continue
@@ -198,20 +205,27 @@ class Writer(StorageWriter):
             # stable: CPU memory nobody changes while this runs (training waits for a blocking save; a
             # background save writes from its own copy)
             record = self.staging.write(file, tensorfile.chunks(layout, tensors), stable=True, size_hint=layout.size)
-            first = next(i for i, r in enumerate(results) if r.storage_data["file"] == file)  # carries the record
-            results[first] = WriteResult(results[first].index, results[first].size_in_bytes,
-                                         {**results[first].storage_data, "record": dataclasses.astuple(record)})
+            extra[file] = {"record": dataclasses.astuple(record)}
+        results = []
+        for item, name, tensor, file in placed:  # the first result of each file carries what is known of it
+            results.append(WriteResult(index=item.index, size_in_bytes=tensor.nbytes,
+                                       storage_data={"file": file, "entry": name, **extra.pop(file, {})}))
         future: Future = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage, shards = {}, []
+        storage, shards, prints, shares = {}, [], {}, {}
         for rank_results in results:
             for result in rank_results:
-                storage[result.index] = {"file": result.storage_data["file"], "entry": result.storage_data["entry"]}
-                if "record" in result.storage_data:
-                    shards.append(FileRecord(*result.storage_data["record"]))
+                data = result.storage_data
+                storage[result.index] = {"file": data["file"], "entry": data["entry"]}
+                if "record" in data:
+                    shards.append(FileRecord(*data["record"]))
+                if "prints" in data:
+                    prints[data["file"]] = data["prints"]
+                if data.get("share"):
+                    shares[data["file"]] = data["share"]
         missing = [r for r in range(self.world_size) if r not in self.plan_files]
         if missing:
             raise TrainStateError(f"no file records from ranks {missing}")
@@ -219,7 +233,7 @@ class Writer(StorageWriter):
         data = metadata_to_json(metadata)
         records = [f for r in range(self.world_size) for f in self.plan_files[r]] + shards
         records.append(self.staging.write(DCP_METADATA, [data]))
-        self.on_finish(data, records)
+        self.on_finish(data, records, manifest_fields(prints, shares))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

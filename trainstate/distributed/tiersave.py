@@ -96,6 +96,7 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publ
             log_same(manifest.generation)
             return GenerationInfo.from_verified(tier.own, verified_from(manifest, manifest_bytes)), b""
         verified = _verify(manifest, manifest_bytes, ranks, tier, key, error)
+        pending.manifest = manifest  # (full_every: the next save's parent, see .increments)
         _point(verified, ranks, tier, key)
     except BaseException:
         if tier.topology.is_leader:
@@ -238,18 +239,19 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
     and the metrics equal ``base``'s, it returns ``base``'s manifest instead, flagged (the top bit of the length)."""
     written: dict[str, bytes] = {}
 
-    def manifest(metadata: bytes, every_file: list) -> None:
+    def manifest(metadata: bytes, every_file: list, incremental: dict) -> None:
         metrics = pending.extra["metrics"]  # none given: unchanged, as for one directory (revisions._changes)
         if base is not None and same_files(every_file, base[0]) and (not metrics or metrics == base[0].metrics):
             written["same"] = base[1]
             return
-        built = build_manifest(snap, pending, ranks.world_size, staging._store.digest_algorithm, every_file)
+        built = build_manifest(snap, pending, ranks.world_size, staging._store.digest_algorithm, every_file,
+                               incremental)
         written["manifest"] = built.to_bytes(key)
         written[DCP_METADATA] = metadata  # in memory already: not read back from the staging
         written["globals"] = [n for n in GLOBAL_FILES if any(f.name == n for f in every_file)]
         staging.write(MANIFEST, [written["manifest"]], stable=True)
 
-    writer = Writer(staging, ranks.rank, ranks.world_size, records, manifest)
+    writer = Writer(staging, ranks.rank, ranks.world_size, records, manifest, getattr(pending, "increment", None))
     with collective("write", ranks):
         dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
     if ranks.rank != 0:

@@ -95,6 +95,7 @@ class RanksConfig:
     width: int = 64
     batch: int = 4  # per rank
     async_save: bool = False  # how it saves, not what it trains: not part of the contract
+    full_every: int | None = None  # incremental generations (full_every=); adds a frozen 4 MiB table to link
 
     def __post_init__(self) -> None:
         for name in ("total", "every", "width", "batch"):
@@ -102,15 +103,19 @@ class RanksConfig:
                 raise ValueError(f"RanksConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ValueError(f"RanksConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.full_every is not None and (type(self.full_every) is not int or self.full_every < 1):
+            raise ValueError(f"RanksConfig.full_every must be None or an int >= 1, got {self.full_every!r}")
 
     def argv(self) -> list[str]:
         return ["--total", str(self.total), "--every", str(self.every), "--mode", self.mode, "--seed",
                 str(self.seed), "--width", str(self.width), "--batch", str(self.batch)] + (
-                    ["--async-save"] if self.async_save else [])
+                    ["--async-save"] if self.async_save else []) + (
+                    ["--full-every", str(self.full_every)] if self.full_every else [])
 
     def contract(self) -> dict[str, Any]:
-        return {"config": {"mode": self.mode, "seed": self.seed, "width": self.width, "batch": self.batch,
-                           "total": self.total}}
+        config = {"mode": self.mode, "seed": self.seed, "width": self.width, "batch": self.batch,
+                  "total": self.total}
+        return {"config": {**config, **({"full_every": self.full_every} if self.full_every else {})}}
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -136,8 +141,11 @@ def build(cfg: RanksConfig) -> TrainState:
     w = cfg.width
     model = torch.nn.Sequential(torch.nn.Linear(IN, w), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, OUT))
+    layers = list(model)
+    if cfg.full_every:
+        model = WithFrozen(model)
     if cfg.mode == "fsdp":
-        for layer in model:
+        for layer in layers:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
@@ -150,6 +158,19 @@ def build(cfg: RanksConfig) -> TrainState:
     return TrainState(model=model, optimizer=opt, scheduler=sched, data=loader,
                       rngs={"noise": torch.Generator().manual_seed(1000 * cfg.seed + 17 + rank)},
                       contract=cfg.contract())
+
+
+class WithFrozen(torch.nn.Module):
+    """The drill's model beside a frozen table that no update changes (a frozen base): an incremental run
+    links each rank's part of it from save to save."""
+
+    def __init__(self, body: torch.nn.Module):
+        super().__init__()
+        self.body = body
+        self.table = torch.nn.Parameter(torch.randn(1024, 1024), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
 
 
 def endless(loader: ResumableLoader) -> Any:
@@ -274,16 +295,18 @@ def die_with_parent() -> None:
 def open_manager(directory: Path, args: argparse.Namespace) -> CheckpointManager:
     """``directory`` itself, or with ``--replicas`` this node's own directory as a node-local tier."""
     if args.replicas is None:
-        return CheckpointManager(directory, keep_last=2, collective_timeout_s=args.timeout)
+        return CheckpointManager(directory, keep_last=2, collective_timeout_s=args.timeout, full_every=args.full_every)
     node_dir = os.environ.get(NODE_DIR_ENV)
     if not node_dir:
         raise InvalidArgument(f"--replicas needs ${NODE_DIR_ENV}, this node's own directory, set for each torchrun "
                               "agent (trainstate.drill.nodes sets it)")
-    return CheckpointManager(node_dir, keep_last=2, replicas=args.replicas, collective_timeout_s=args.timeout)
+    return CheckpointManager(node_dir, keep_last=2, replicas=args.replicas, collective_timeout_s=args.timeout,
+                             full_every=args.full_every)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = RanksConfig(args.total, args.every, args.mode, args.seed, args.width, args.batch, args.async_save)
+    cfg = RanksConfig(args.total, args.every, args.mode, args.seed, args.width, args.batch, args.async_save,
+                      args.full_every)
     directory = Path(args.dir)
     say = Reporter(dist.get_rank())
     state = build(cfg)
@@ -333,6 +356,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=RanksConfig.width)
     p.add_argument("--batch", type=int, default=RanksConfig.batch, help="samples per rank per update")
     p.add_argument("--async-save", action="store_true", help="save(blocking=False); 'staged' then 'saved'")
+    p.add_argument("--full-every", type=int, default=None, metavar="N",
+                   help="incremental generations (CheckpointManager(full_every=N)), with a frozen table to link")
     p.add_argument("--forget", choices=FORGET, default=None,
                    help="negative control: after restoring, reset this part to its fresh state")
     p.add_argument("--replicas", type=int, default=None, metavar="R",

@@ -139,7 +139,12 @@ def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int,
     and a restore checks every chunk.
     """
     record, where = manifest.file(file), f"{manifest.generation}/{file}"
-    with store.open(manifest.generation, file) as stream:
+    try:
+        opened = store.open(manifest.generation, file)
+    except OSError as exc:  # gone (a node-local tier that never held it, a prune): written afresh
+        log.info("not linking %s: %s", where, exc)
+        return False
+    with opened as stream:
         fd = chunked.positional(stream)
         if fd is None:
             return True

@@ -43,27 +43,30 @@ class Layout:
     written: dict[str, tuple[str, ...]]
 
 
-def _part_name(names: list[str], now: Mapping[str, Fingerprint]) -> str:
+def _part_name(names: list[str], now: Mapping[str, Fingerprint], prefix: str) -> str:
     ident = xxhash.xxh3_64("\n".join(f"{n}\t{now[n].xxh3}" for n in names).encode()).hexdigest()
-    return f"part-{ident}.safetensors"
+    return f"{prefix}{ident}.safetensors"
 
 
 def plan(now: Mapping[str, Fingerprint], sizes: Mapping[str, int],
          parent: Mapping[str, Mapping[str, Fingerprint]] | None, *, link: bool,
-         part_bytes: int | None = None, small_bytes: int | None = None) -> Layout:
+         part_bytes: int | None = None, small_bytes: int | None = None, main: str = TENSORS,
+         prefix: str = "part-") -> Layout:
     """The layout of a generation whose tensors have fingerprints ``now`` (and byte sizes ``sizes``).
 
     ``parent``: the parent's tensor files and their tensors' fingerprints (None when unknown: no parent, or
     one of an older format; then everything goes to ``tensors.safetensors``). ``link``: whether this
-    generation may link the parent's files (False for a self-contained one).
+    generation may link the parent's files (False for a self-contained one). ``main`` and ``prefix``: the
+    names of the file of what changes and of the parts (a multi-rank shard: ``shard-<rank>.safetensors`` and
+    ``shard-<rank>-part-``).
     """
     if not parent:
-        return Layout((), {TENSORS: tuple(sorted(now))})
+        return Layout((), {main: tuple(sorted(now))})
     part_bytes = PART_BYTES if part_bytes is None else part_bytes
     small_bytes = SMALL_BYTES if small_bytes is None else small_bytes
     linked = tuple(sorted(
         file for file, prints in parent.items()
-        if link and file != TENSORS and prints and all(now.get(n) == fp for n, fp in prints.items())))
+        if link and file != main and prints and all(now.get(n) == fp for n, fp in prints.items())))
     covered = {n for file in linked for n in parent[file]}
     before = {n: fp for prints in parent.values() for n, fp in prints.items()}
     steady = sorted(n for n in now if n not in covered and before.get(n) == now[n] and sizes[n] >= small_bytes)
@@ -75,9 +78,9 @@ def plan(now: Mapping[str, Fingerprint], sizes: Mapping[str, int],
             size = 0
         parts[-1].append(name)
         size += sizes[name]
-    written = {TENSORS: tuple(sorted(set(now) - covered - set(steady)))}
+    written = {main: tuple(sorted(set(now) - covered - set(steady)))}
     for names in parts:
-        file = _part_name(names, now)
+        file = _part_name(names, now, prefix)
         if file in written or file in linked:  # the same tensors with the same values: only if linked is False
             file = file.replace(".safetensors", f"-{len(written)}.safetensors")
         written[file] = tuple(names)
