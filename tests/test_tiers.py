@@ -186,6 +186,20 @@ def test_retention_with_tiers_keeps_milestones_the_best_and_a_pin_made_on_one_no
     assert "gen-000000000005" not in control[1]["own"] + control[1]["replica"], control[1]
 
 
+def test_prune_by_hand_with_tiers_prunes_every_node_and_both_its_stores_by_every_nodes_pins(tmp_path):
+    """Before, ``ckpt.prune()`` in a tiered run pruned each caller's own store only, left the replicas, and
+    dropped on node 1 the generation rank 0 had pinned."""
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    gens = [f"gen-{u:012d}" for u in range(1, 5)]
+    for result in launch_nodes(tmp_path / "out", dirs, ["tier_prune_by_hand"], worker=WORKER, nproc=1).ok(
+            "tier_prune_by_hand", 2):
+        assert result["dry_prune"] == [gens[1]] and result["after_dry"] == {"own": gens, "replica": gens}, result
+        kept = [gens[0], gens[2], gens[3]]
+        assert result["prune"] == [gens[1]] and sorted(result["keep"]) == kept, result
+        assert result["after"] == {"own": kept, "replica": kept}, result
+        assert any("pin" in r for r in result["reasons"][gens[0]]), result
+
+
 def test_a_second_save_at_one_update_with_tiers_is_a_no_op_when_nothing_changed_and_a_revision_otherwise(tmp_path):
     """Before, every such save was a new revision, and finish() raised (it verified the generation as if node 0
     held every file)."""

@@ -172,6 +172,34 @@ def tier_retention(out: Path) -> dict:
             "sources": restored.sources if restored else None}
 
 
+def _held() -> dict:
+    return {"own": sorted(p.name for p in node_dir().glob("gen-*")),
+            "replica": sorted(p.name for p in (node_dir() / "replicas").glob("gen-*"))}
+
+
+@scenario
+def tier_prune_by_hand(out: Path) -> dict:
+    """``ckpt.prune()`` in a tiered run: four generations saved with keep_last=10, the first pinned by rank 0
+    alone; then, by a manager with keep_last=2, a dry run and a prune, on every rank."""
+    state = dw.build(mode())
+
+    def manager(keep_last: int) -> ts.CheckpointManager:
+        return ts.CheckpointManager(node_dir(), keep_last=keep_last, replicas=2, wait_replicas=True,
+                                    collective_timeout_s=dw.TIMEOUT_S)
+
+    with manager(10) as ckpt:
+        dw.train(state, 4, ckpt, every=1)
+        if dist.get_rank() == 0:
+            ckpt.pin("keep", "gen-000000000001")
+    with manager(2) as ckpt:
+        dry = ckpt.prune(dry_run=True)
+        after_dry = _held()
+        plan = ckpt.prune()
+    return {"dry_prune": list(dry.prune), "dry_keep": list(dry.keep), "after_dry": after_dry,
+            "prune": list(plan.prune), "keep": list(plan.keep), "after": _held(),
+            "reasons": {d.generation: list(d.reasons) for d in plan.decisions}}
+
+
 @scenario
 def tier_same_update(out: Path) -> dict:
     """Saves at one update: the same state again (and ``finish``) returns the generation that holds it, writing

@@ -22,6 +22,7 @@ from typing import Any
 from . import publish, restore as restore_mod
 from .lifecycle import runs
 from .asyncsave import SaveHandle, Ticket, Writer, report_at_exit
+from .progress import log_rate
 from .errors import InvalidArgument, NoValidGeneration, ReadOnlyDirectory, Rejection
 from .format import signing
 from .format.manifest import parse_generation_name
@@ -294,7 +295,7 @@ class CheckpointManager:
                 self._last_full_update = parse_generation_name(p.parent)[0] if p.parent else self._origin
             raise
         self._committed = info.name
-        _log_rate("saved", info, time.monotonic() - started, "in the background" if background else "")
+        log_rate("saved", info, time.monotonic() - started, "in the background" if background else "")
         if not background and state.parent == p.prepared:
             state.parent = info.name  # a revision, or the generation that already held this state
         return info
@@ -305,7 +306,10 @@ class CheckpointManager:
         return self.lifecycle.plan(self.retention)
 
     def prune(self, *, dry_run: bool = False) -> Plan:
-        """Apply the retention policy now (it also runs after every save); returns the plan."""
+        """Apply the retention policy now (it also runs after every save); returns the plan (with tiers: collective,
+        each node's plan for its stores)."""
+        if self._session is not None and self._session.tier is not None:
+            return self._session.prune_tiers(self, dry_run)
         self.store.lock()
         return self.lifecycle.prune(self.retention, dry_run=dry_run)
 
@@ -409,7 +413,7 @@ class CheckpointManager:
         if self._mirror is not None and info is not None:
             self._mirror.restored(info.generation.name)  # uploaded, if an earlier process stopped before it was
         if info is not None:  # rank 0's verdict on every rank: they stop or go on together
-            _log_rate("restored", info.generation, time.monotonic() - started,
+            log_rate("restored", info.generation, time.monotonic() - started,
                       f"passing over {', '.join(r.generation for r in info.rejected)}" if info.rejected else "")
             record = self._leader(lambda: done_mod.for_restore(self.store, self.key, info, state), "done")
             info = dataclasses.replace(info, done=record)
@@ -442,9 +446,3 @@ class CheckpointManager:
     def generations(self) -> list[str]:
         """Every published generation of the run, newest first (by parsed update)."""
         return self.store.generations()
-
-
-def _log_rate(verb: str, info: GenerationInfo, seconds: float, note: str) -> None:
-    """One INFO line per save and restore: what, how much, how long, how fast."""
-    log.info("%s %s: %s bytes in %.3f s (%.2f GB/s)%s", verb, info.name, f"{info.size:,}", seconds,
-             info.size / 1e9 / max(seconds, 1e-9), f"; {note}" if note else "")

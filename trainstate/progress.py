@@ -8,6 +8,7 @@ only when a bar is actually shown, and never writes to stdout.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from typing import Any, Callable, Iterable
@@ -98,3 +99,10 @@ def add_flag(parser: Any) -> None:
     import argparse
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="byte progress bar on stderr (default: only when stderr is a terminal)")
+
+
+def log_rate(verb: str, info: Any, seconds: float, note: str) -> None:
+    """One INFO line per save and restore: what, how much, how long, how fast (``info``: a GenerationInfo)."""
+    logging.getLogger("trainstate").info("%s %s: %s bytes in %.3f s (%.2f GB/s)%s", verb, info.name,
+                                         f"{info.size:,}", seconds, info.size / 1e9 / max(seconds, 1e-9),
+                                         f"; {note}" if note else "")

@@ -215,6 +215,15 @@ class Session:
         self._later(manager, f"{info.name} (replicas, upload)", later)
         return info
 
+    def prune_tiers(self, manager: Any, dry_run: bool) -> Any:
+        """``ckpt.prune()`` with tiers, on every rank: once this rank's background work (replicas, an upload) is
+        done, every node prunes as after a save (:func:`.tierprune.prune_now`); a background failure is left for
+        the next ``wait``/``save`` to raise, on every rank alike."""
+        from .tierprune import prune_now
+
+        manager._writer.drain()
+        return prune_now(self.tier, manager.key, self.fg, dry_run)
+
     def write_done(self, manager: Any, generation: str, tokens_seen: int, metrics: Any) -> Any:
         """The DONE record in every node's directory, each node's leader checking its own holding; rank 0's record
         on every rank (a failure on any node raises on every rank)."""

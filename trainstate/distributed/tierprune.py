@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import CorruptGeneration, TrainStateError
 from ..format.manifest import POINTER, generation_order, parse_generation_name
 from ..lifecycle.generations import Lifecycle
-from ..lifecycle.retention import Retention
+from ..lifecycle.retention import Decision, Plan, Retention
 from ..storage.verify import read_manifest, read_pointed
 from .group import Ranks
 from .tiers import Tier, node_files
@@ -31,8 +31,9 @@ from .tiers import Tier, node_files
 log = logging.getLogger("trainstate")
 
 
-def prune(tier: Tier, key: Any, ranks: Ranks) -> list[str]:
-    """Collective (every rank calls it, each node's leader prunes its node); returns what this rank removed."""
+def prune(tier: Tier, key: Any, ranks: Ranks, dry_run: bool = False) -> Plan | None:
+    """Collective (every rank calls it, each node's leader prunes its node); on a leader, its node's plan (the
+    generations of both its stores, each kept or removed; with ``dry_run`` nothing is removed)."""
     leader = tier.topology.is_leader
     pins, error = {}, ""
     if leader:
@@ -45,14 +46,24 @@ def prune(tier: Tier, key: Any, ranks: Ranks) -> list[str]:
             error = f"{type(exc).__name__}: {exc}"
     every = ranks.gather_small({"pins": pins, "error": error}, "prune")
     if not leader:
-        return []
+        return None
     unreadable = [f"rank {r}: {e['error']}" for r, e in enumerate(every) if e["error"]]
     if unreadable:
         log.error("not pruning: the pins of a node are unreadable (%s); fix or remove that pins file",
                   "; ".join(unreadable))
-        return []
+        return Plan((), "not pruned: the pins of a node are unreadable")
     pinned = {f"{rank}/{name}": generation for rank, e in enumerate(every) for name, generation in e["pins"].items()}
-    return _prune_node(tier, key, pinned)
+    return _prune_node(tier, key, pinned, dry_run)
+
+
+def prune_now(tier: Tier, key: Any, ranks: Ranks, dry_run: bool) -> Plan:
+    """``ckpt.prune()`` in a tiered run (collective): every node prunes both its stores, by every node's pins, as
+    after a save; each rank returns its own node's plan."""
+    plan = prune(tier, key, ranks, dry_run)
+    every = ranks.gather_small(None if plan is None else {"note": plan.note, "decisions": [
+        [d.generation, d.keep, list(d.reasons), d.left_for_a_human] for d in plan.decisions]}, "prune-plan")
+    mine = every[tier.topology.leader(tier.topology.node)]
+    return Plan(tuple(Decision(g, k, tuple(r), h) for g, k, r, h in mine["decisions"]), mine["note"])
 
 
 def holding_check(tier: Tier, key: Any) -> Any:
@@ -69,10 +80,10 @@ def holding_check(tier: Tier, key: Any) -> Any:
     return check
 
 
-def _prune_node(tier: Tier, key: Any, pinned: dict[str, str]) -> list[str]:
+def _prune_node(tier: Tier, key: Any, pinned: dict[str, str], dry_run: bool = False) -> Plan:
     local = read_pointed(tier.own, POINTER, key)
     if local is None:
-        return []
+        return Plan((), "nothing published on this node")
     replicated = read_pointed(tier.replica, POINTER, key) if tier.replicas > 1 else None
     newest = generation_order(local.generation)
     names = tier.own.generations()
@@ -83,21 +94,27 @@ def _prune_node(tier: Tier, key: Any, pinned: dict[str, str]) -> list[str]:
         decided = tier.lifecycle.plan(policy, {"full": local.generation, "weights": weights}, pins=pinned)
     except (TrainStateError, OSError) as exc:
         log.error("not pruning %s: %s; the next save retries", tier.own.location, exc)
-        return []
-    keep = set(decided.keep) | {local.generation} | ({replicated.generation} if replicated else set())
+        return Plan((), f"not pruned: {exc}")
+    reasons = {d.generation: d.reasons for d in decided.decisions if d.keep}
+    extra = {local.generation: "latest", **({replicated.generation: "replicas/latest"} if replicated else {})}
     if tier.remote is not None and tier.remote.pending:  # chosen for upload, not on the remote yet
-        keep.add(tier.remote.pending)
-    removed = []
-    for store in tier.stores().values():
+        extra[tier.remote.pending] = "chosen for upload, not on the remote yet"
+    for name, why in extra.items():
+        reasons[name] = (*reasons.get(name, ()), why)
+    decisions: dict[str, Decision] = {}
+    for where, store in tier.stores().items():
         for name in store.generations():
-            if name in keep or generation_order(name) > newest:
+            if name in reasons or generation_order(name) > newest:
+                decisions[name] = Decision(name, True, reasons.get(name, ("newer than latest (publishing)",)))
+                continue
+            decisions.setdefault(name, Decision(name, False, ("not kept by the policy",)))
+            if dry_run:
                 continue
             try:
                 store.remove(name)
-                removed.append(name)
             except OSError as exc:
                 log.error("could not prune %s from %s (%r); the next save retries", name, store.location, exc)
-    return removed
+    return Plan(tuple(sorted(decisions.values(), key=lambda d: generation_order(d.generation), reverse=True)))
 
 
-__all__ = ["holding_check", "prune"]
+__all__ = ["holding_check", "prune", "prune_now"]
