@@ -284,5 +284,45 @@ def tier_incremental_refilled(out: Path) -> dict:
             "parts": parts, "shares": _manifest(Path(os.environ["TRAINSTATE_NODE_DIR"]), names[-1]).get("shares")}
 
 
+@scenario
+def tier_incremental_remote(out: Path) -> dict:
+    """Node-local tiers with the object store behind them (every generation uploaded, ``TRAINSTATE_TEST_S3``):
+    a part the remote already holds is a server-side copy, so a steady upload sends what changed only (counted at
+    each rank's client); then every node's directory is lost and the run restores from the remote alone."""
+    from objectservers import counted_puts
+    from trainstate.storage.objectclient import Client
+
+    remote = json.loads(os.environ["TRAINSTATE_TEST_S3"])
+    node = Path(os.environ["TRAINSTATE_NODE_DIR"])
+
+    def manager() -> ts.CheckpointManager:
+        return ts.CheckpointManager(node, keep_last=10, replicas=2, full_every=FULL_EVERY, wait_replicas=True,
+                                    mirror=remote["url"], mirror_options=remote["storage_options"], mirror_every=1,
+                                    collective_timeout_s=TIMEOUT_S)
+
+    uploaded: list[int] = []
+    real = Client.put_stream
+    Client.put_stream = counted_puts(uploaded)
+    state = lora_state()
+    try:
+        with manager() as ckpt:
+            for _ in range(4):
+                lora_step(state)
+                uploaded.append(0)
+                ckpt.save(state)
+                ckpt.wait()  # this generation's upload, counted as this save's
+    finally:
+        Client.put_stream = real
+    live = full_state(state)
+    dist.barrier()
+    shutil.rmtree(node)  # every node lost: the remote alone
+    dist.barrier()
+    fresh = lora_state(seed=8)
+    with manager() as ckpt:
+        info = ckpt.restore(fresh)
+    return {"uploaded": uploaded, "restored": info.generation.name, "sources": info.sources,
+            "differs": same(full_state(fresh), live)}
+
+
 if __name__ == "__main__":
     sys.exit(main())

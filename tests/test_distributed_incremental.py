@@ -109,3 +109,17 @@ def test_on_an_object_store_a_steady_save_uploads_only_what_changed(moto_server,
         base = 2 << 20  # this rank's half of the frozen 1024x1024 fp32 weight
         assert uploaded[1] > base > 10 * uploaded[2] and uploaded[3] < base / 10, uploaded  # gens 3, 4: copied
         assert result["restored"] == GENS[3] and result["differs"] == [], result
+
+
+def test_with_tiers_the_upload_to_the_remote_copies_unchanged_parts_on_the_server(moto_server, tmp_path):
+    pytest.importorskip("obstore")
+    url = moto_server.url(moto_server.make_bucket(), "run")
+    remote = {"url": url, "storage_options": moto_server.storage_options()}
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for result in launch_nodes(tmp_path / "out", dirs, ["tier_incremental_remote"], worker=WORKER, nproc=1,
+                               env={"TRAINSTATE_TEST_S3": json.dumps(remote)}).ok("tier_incremental_remote", 2):
+        uploaded = result["uploaded"]  # this rank's bytes sent to the remote, per save
+        base = 2 << 20  # this rank's half of the frozen weight
+        assert uploaded[1] > base > 10 * uploaded[2] and uploaded[3] < base / 10, uploaded  # gens 3, 4: copied
+        assert result["restored"] == GENS[3] and result["sources"]["remote"] > 0, result
+        assert result["differs"] == [], result  # bitwise from the remote alone

@@ -8,7 +8,10 @@ on the writer thread after its replicas (collective, on the background group):
    removes leftovers of an interrupted upload and begins a staging area
    (an upload of a generation the remote already holds is only verified);
 2. every rank uploads its own files from its node's holding, digested as
-   they are sent and compared with the manifest; rank 0 also the global files;
+   they are sent and compared with the manifest; rank 0 also the global files
+   (with ``full_every``, a part the remote already holds under the same digest,
+   in the parent, the generation that wrote it or the remote's latest, is a
+   server-side copy instead: nothing is sent);
 3. rank 0 writes the manifest and the commit record (create-only), verifies
    the remote copy's file set and sizes, moves the remote ``latest`` (a
    compare-and-swap, never backwards) and prunes the remote under
@@ -29,7 +32,7 @@ from typing import Any
 from ..errors import TrainStateError
 from ..format.manifest import MANIFEST, POINTER
 from ..lifecycle.generations import Lifecycle
-from ..lifecycle.mirror import same_run
+from ..lifecycle.mirror import link_held, same_run
 from ..lifecycle.retention import Retention
 from ..storage.verify import point_at, read_pointed, verify_generation
 from .group import Ranks
@@ -114,7 +117,11 @@ def _send(name: str, manifest: Any, ranks: Ranks, tier: Tier, remote: Remote, st
         files = rank_files(manifest, ranks.rank) if ranks.rank < len(manifest.ranks) else []
         if ranks.rank == 0:
             files = [f for f in GLOBAL_FILES if f in present] + files
+        newest = remote.latest and remote.latest["generation"]
         for file in files:
+            if file in manifest.shares and link_held(remote.store, staging, manifest, manifest.file(file),
+                                                      remote.key, newest):
+                continue  # full_every: the remote holds these bytes already; copied there by the server
             with _local(tier, name, file).open(name, file) as stream:
                 _write_checked(staging, manifest, file, iter(lambda: stream.read(BLOCK), b""))
     except (TrainStateError, OSError, ValueError) as exc:

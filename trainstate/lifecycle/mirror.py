@@ -74,7 +74,7 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
     staging = dst.begin(name)
     try:
         for record in manifest.files:
-            if record.name in manifest.shares and _link_held(dst, staging, manifest, record, key):
+            if record.name in manifest.shares and link_held(dst, staging, manifest, record, key):
                 continue  # the destination holds these bytes already: linked or copied there, not sent
             with src.open(name, record.name) as stream:
                 written = staging.write(record.name, _blocks(stream, on_bytes),
@@ -90,10 +90,13 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
     return verify_generation(dst, name, content=False, key=key)
 
 
-def _link_held(dst: Store, staging: Any, manifest: Manifest, record: FileRecord, key: SigningKey | None) -> bool:
+def link_held(dst: Store, staging: Any, manifest: Manifest, record: FileRecord, key: SigningKey | None,
+               also: str | None = None) -> bool:
     """An incremental generation's shared file, staged from the copy the destination already holds (its parent's,
-    or the generation that first wrote it), when that copy's manifest records the same size and digest."""
-    for holder in dict.fromkeys(g for g in (manifest.parent, manifest.shares[record.name]) if g is not None):
+    the generation that first wrote it, or ``also``: say the destination's latest), when that copy's manifest
+    records the same size and digest."""
+    holders = (manifest.parent, manifest.shares[record.name], also)
+    for holder in dict.fromkeys(g for g in holders if g is not None):
         try:
             theirs = read_manifest(dst, holder, None, key)[0]
             held = next((f for f in theirs.files if f.name == record.name), None)
