@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ls", help="list generations, their state and which is latest")
-    p.add_argument("directory")
+    p.add_argument("directory", help="the run directory")
     p.add_argument("--full", action="store_true", help="verify every file's digest, not just structure")
     p.add_argument("--quick", action="store_true", help="judge the recovery point by structure only (no digests "
                    "read; it is then labelled unchecked)")

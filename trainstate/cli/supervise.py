@@ -139,7 +139,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_supervise)
     p = sub.add_parser("done", help="whether the run finished: its DONE record verifies (exit 0 done, 1 stale, "
                        "3 missing)")
-    p.add_argument("directory")
+    p.add_argument("directory", help="the run directory")
     p.add_argument("--config", default=None, help="JSON or TOML config the run must have finished with")
     p.add_argument("--fast", action="store_true", help="check the final generation's structure and sizes, not "
                    "every byte")
