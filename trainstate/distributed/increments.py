@@ -119,11 +119,14 @@ class RankIncrements:
         link = manifest is not None and chain + 1 < self.full_every
         return ShardPlan(store, manifest, link, chain, self.checked)
 
-    def published(self, manifest: Manifest | None, plan: ShardPlan | None) -> None:
-        """Keep ``manifest`` (just committed, every rank parsed it) for the next save's plan."""
+    def published(self, manifest: Manifest | None, plan: ShardPlan | None, prepared: str | None = None) -> None:
+        """Keep ``manifest`` (just committed, every rank parsed it) for the next save's plan, also under the name
+        the save was prepared as (``prepared``: a revision is published as ``gen-U-r001``, and the state's parent
+        still names ``gen-U``)."""
         if manifest is None or plan is None or not manifest.fingerprints:
             return
-        self.known = {manifest.generation: (manifest, plan.depth + 1 if manifest.shares else 0)}
+        kept = (manifest, plan.depth + 1 if manifest.shares else 0)
+        self.known = {manifest.generation: kept, **({prepared: kept} if prepared else {})}
 
 
 def manifest_fields(prints: dict[str, dict], shares: dict[str, str]) -> dict[str, Any]:

@@ -171,7 +171,7 @@ class Session:
                                   manager._publisher if self.rank == 0 else None, manager.key,
                                   content=manager._publisher.verify_mode == "full")
         if self.increments is not None:
-            self.increments.published(pending.manifest, pending.increment)
+            self.increments.published(pending.manifest, pending.increment, pending.prepared)
         return info
 
     def _publish_tiered(self, manager: Any, pending: DistPending, ranks: Ranks, background: bool) -> GenerationInfo:
