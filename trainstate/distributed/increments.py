@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from ..format import tensorfile
-from ..format.manifest import INCREMENTAL_VERSION, FileRecord, Manifest
+from ..format.manifest import FileRecord, Manifest
 from ..lifecycle import incremental
 from ..state import changes, parts
 
@@ -46,16 +45,6 @@ def part_prefix(rank: int) -> str:
     return f"shard-{rank:05d}-part-"
 
 
-@dataclass(frozen=True)
-class Stored:
-    """One of this rank's shard files in the new generation: its items, record, and where it was linked from."""
-
-    file: str
-    names: tuple[str, ...]
-    record: FileRecord
-    share: str | None  # the generation that first wrote these bytes, when linked
-
-
 @dataclass
 class ShardPlan:
     """What one save of this rank's shard may link: the parent's manifest (with fingerprints) and whether to link."""
@@ -66,8 +55,10 @@ class ShardPlan:
     depth: int  # generations in a row that link files, ending with the parent
     checked: dict
 
-    def write(self, staging: Any, rank: int, tensors: dict[str, torch.Tensor]) -> tuple[list[Stored], dict]:
-        """Link and write this rank's shard items into ``staging``; the files, and every item's fingerprint."""
+    def write(self, staging: Any, rank: int, tensors: dict[str, torch.Tensor]) -> tuple[list[FileRecord], dict]:
+        """Link and write this rank's shard items into ``staging`` (:func:`.incremental.write`); the files'
+        records, and the format-4 fields of this rank's files (each file's items with their fingerprints, and
+        where each linked file was first written)."""
         now = changes.fingerprints(tensors)
         main, prefix = shard_file(rank), part_prefix(rank)
         previous = None
@@ -76,27 +67,10 @@ class ShardPlan:
                         if f == main or f.startswith(prefix)}
         layout = parts.plan(now, {n: t.nbytes for n, t in tensors.items()}, previous, link=self.link, main=main,
                             prefix=prefix)
-        stored: list[Stored] = []
-        written = dict(layout.written)
-        for file in layout.linked:
-            assert self.parent is not None and previous is not None
-            record = None
-            if incremental.intact(self.store, self.parent, file, self.checked):
-                record = staging.link(file, self.parent.generation, self.parent.file(file))
-            if record is None:  # gone, damaged, or a backend that cannot link: written after all
-                written[file] = tuple(previous[file])
-                continue
-            stored.append(Stored(file, tuple(previous[file]), record,
-                                 self.parent.shares.get(file, self.parent.generation)))
-        for file, names in written.items():
-            if not names:
-                continue
-            chosen = {n: tensors[n] for n in names}
-            plan = tensorfile.plan(chosen)
-            # stable: CPU memory nobody changes while this runs (see Writer.write_data)
-            stored.append(Stored(file, names, staging.write(file, tensorfile.chunks(plan, chosen), stable=True,
-                                                            size_hint=plan.size), None))
-        return stored, now
+        plan = incremental.Plan(now, layout, self.parent if self.link else None, 0, self.depth)
+        # stable: CPU memory nobody changes while this runs (see Writer.write_data)
+        return incremental.write(staging, plan, tensors, lambda chunks: chunks, True, self.store, self.checked,
+                                 write_empty=False)
 
 
 class RankIncrements:
@@ -109,14 +83,7 @@ class RankIncrements:
 
     def begin(self, store: Any, key: Any, parent: str | None) -> ShardPlan:
         """The plan of the next save descending from ``parent`` (read from ``store`` unless kept)."""
-        if parent is not None and parent in self.known:
-            manifest, chain = self.known[parent]
-        else:
-            manifest = incremental._manifest(store, key, parent)
-            chain = incremental.depth(store, key, manifest, self.full_every) if manifest is not None else 0
-        if manifest is not None and not manifest.fingerprints:  # an older format, or saved without full_every
-            manifest = None
-        link = manifest is not None and chain + 1 < self.full_every
+        manifest, chain, link = incremental.parent_of(store, key, parent, self.full_every, self.known)
         return ShardPlan(store, manifest, link, chain, self.checked)
 
     def published(self, manifest: Manifest | None, plan: ShardPlan | None, prepared: str | None = None) -> None:
@@ -127,10 +94,3 @@ class RankIncrements:
             return
         kept = (manifest, plan.depth + 1 if manifest.shares else 0)
         self.known = {manifest.generation: kept, **({prepared: kept} if prepared else {})}
-
-
-def manifest_fields(prints: dict[str, dict], shares: dict[str, str]) -> dict[str, Any]:
-    """The format-4 fields of a multi-rank generation whose ranks recorded ``prints`` (none: not incremental)."""
-    if not prints:
-        return {}
-    return {"fingerprints": prints, "shares": shares, "format_version": INCREMENTAL_VERSION}

@@ -52,8 +52,9 @@ from ..errors import CorruptGeneration, TrainStateError
 from ..format import tensorfile
 from ..format.digest import CHUNK_BYTES
 from ..format.manifest import FileRecord
+from ..lifecycle.incremental import manifest_fields
 from ..storage import chunked
-from .increments import ShardPlan, manifest_fields, shard_file
+from .increments import ShardPlan, shard_file
 
 DCP_METADATA = "dcp-metadata.json"
 _FORMAT = "trainstate-dcp-metadata"
@@ -192,12 +193,13 @@ class Writer(StorageWriter):
             placed.append((item, name, tensor, file))
         extra: dict[str, dict] = {}  # by file: the record, and with full_every its items' fingerprints and share
         if self.increment is not None:  # the shard by what changes: unchanged parts linked from the parent
-            stored, prints = self.increment.write(self.staging, self.rank, files.pop(shard_file(self.rank)))
-            moved = {n: s.file for s in stored for n in s.names}
+            records, fields = self.increment.write(self.staging, self.rank, files.pop(shard_file(self.rank)))
+            prints, shares = fields.get("fingerprints", {}), fields.get("shares", {})
+            moved = {n: file for file, items in prints.items() for n in items}
             placed = [(i, n, t, moved.get(n, f)) for i, n, t, f in placed]
-            for s in stored:
-                extra[s.file] = {"record": dataclasses.astuple(s.record), "share": s.share,
-                                 "prints": {n: prints[n].to_json() for n in s.names}}
+            for record in records:
+                extra[record.name] = {"record": dataclasses.astuple(record), "share": shares.get(record.name),
+                                      "prints": prints[record.name]}
         for file, tensors in files.items():
             if not tensors:
                 continue

@@ -102,7 +102,7 @@ def _prune_node(tier: Tier, key: Any, pinned: dict[str, str], dry_run: bool = Fa
     for name, why in extra.items():
         reasons[name] = (*reasons.get(name, ()), why)
     decisions: dict[str, Decision] = {}
-    for where, store in tier.stores().items():
+    for store in tier.stores().values():
         for name in store.generations():
             if name in reasons or generation_order(name) > newest:
                 decisions[name] = Decision(name, True, reasons.get(name, ("newer than latest (publishing)",)))

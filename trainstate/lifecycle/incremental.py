@@ -104,24 +104,30 @@ def depth(store: Store, key: SigningKey | None, manifest: Manifest, limit: int) 
     return count
 
 
-def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor], parent: str | None,
-         full_every: int, now: dict[str, Fingerprint] | None = None,
-         known: dict[str, tuple[Manifest, int]] | None = None) -> Plan:
-    """Fingerprint ``tensors``, read the parent's, and lay the generation out (see :mod:`trainstate.state.parts`).
-
-    The generation links nothing (it is self-contained) when the ``full_every - 1`` generations before it
-    all link files, or when the parent has no fingerprints (an older format, or saved without
-    ``full_every``). ``known``: manifests this process published, with their depth, by name (read from the
-    store otherwise).
-    """
-    now = now if now is not None else changes.fingerprints(tensors)
+def parent_of(store: Store, key: SigningKey | None, parent: str | None, full_every: int,
+              known: dict[str, tuple[Manifest, int]] | None = None) -> tuple[Manifest | None, int, bool]:
+    """The parent's manifest (``None`` when it cannot be read or has no fingerprints: an older format, or saved
+    without ``full_every``), how many generations in a row ending with it link files, and whether the next
+    generation may link: not when the ``full_every - 1`` before it all did (it is then self-contained).
+    ``known``: manifests this process published, with their depth, by name (read from the store otherwise)."""
     if known is not None and parent in known:
         manifest, chain = known[parent]
     else:
         manifest = _manifest(store, key, parent)
         chain = depth(store, key, manifest, full_every) if manifest is not None else 0
-    previous = fingerprints_of(manifest) if manifest is not None and manifest.fingerprints else None
-    link = previous is not None and chain + 1 < full_every
+    if manifest is not None and not manifest.fingerprints:
+        manifest = None
+    return manifest, chain, manifest is not None and chain + 1 < full_every
+
+
+def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor], parent: str | None,
+         full_every: int, now: dict[str, Fingerprint] | None = None,
+         known: dict[str, tuple[Manifest, int]] | None = None) -> Plan:
+    """Fingerprint ``tensors``, read the parent's (:func:`parent_of`), and lay the generation out (see
+    :mod:`trainstate.state.parts`)."""
+    now = now if now is not None else changes.fingerprints(tensors)
+    manifest, chain, link = parent_of(store, key, parent, full_every, known)
+    previous = fingerprints_of(manifest) if manifest is not None else None
     layout = parts.plan(now, {n: t.nbytes for n, t in tensors.items()}, previous, link=link)
     written = sum(tensors[n].nbytes for names in layout.written.values() for n in names)
     return Plan(now, layout, manifest if link else None, written, chain)
@@ -183,10 +189,12 @@ def _holds(stream: Any, fd: int, manifest: Manifest, record: FileRecord, where: 
 
 
 def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: Any, stable: bool,
-          store: Store, checked: dict[tuple[int, int], tuple[int, int]]) -> tuple[list[FileRecord], dict[str, Any]]:
+          store: Store, checked: dict[tuple[int, int], tuple[int, int]],
+          write_empty: bool = True) -> tuple[list[FileRecord], dict[str, Any]]:
     """Link and write the tensor files of ``p`` into ``staging``; their records and the manifest's format-4
     fields. A file the backend cannot link, or that no longer holds what was recorded (:func:`intact`), is
-    written after all."""
+    written after all. ``write_empty=False``: a file left with no tensor is not written (a multi-rank shard
+    whose items are all linked)."""
     records: list[FileRecord] = []
     written = dict(p.layout.written)
     for file in p.layout.linked:
@@ -198,6 +206,7 @@ def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: 
             continue
         records.append(linked)
         p.shares[file] = p.parent.shares.get(file, p.parent.generation)  # where its bytes were first written
+    written = {file: names for file, names in written.items() if names or write_empty}
     for file, names in written.items():
         chosen = {n: tensors[n] for n in names}
         layout = tensorfile.plan(chosen)
@@ -206,7 +215,15 @@ def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: 
     files = {file: names for file, names in written.items()}
     files.update({file: tuple(p.parent.fingerprints[file]) for file in p.shares} if p.parent else {})
     prints = {file: {n: p.now[n].to_json() for n in names} for file, names in files.items()}
-    return records, {"fingerprints": prints, "shares": dict(p.shares), "format_version": INCREMENTAL_VERSION}
+    return records, manifest_fields(prints, p.shares)
+
+
+def manifest_fields(prints: dict[str, dict], shares: dict[str, str]) -> dict[str, Any]:
+    """The format-4 fields of a manifest whose tensor files hold tensors with fingerprints ``prints`` (file ->
+    tensor -> fingerprint) and link ``shares`` (file -> the generation that wrote it); none without ``prints``."""
+    if not prints:
+        return {}
+    return {"fingerprints": prints, "shares": dict(shares), "format_version": INCREMENTAL_VERSION}
 
 
 def unchanged(tensors_now: dict[str, Fingerprint], manifest: Manifest) -> bool:
