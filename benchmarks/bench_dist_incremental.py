@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         for rep in range(args.reps):
             loads.append(os.getloadavg()[0])
             full_dir, dcp_dir = work / f"full-{rep}", work / f"dcp-{rep}"
-            full = ts.CheckpointManager(full_dir, keep_last=1)
+            full = ts.CheckpointManager(full_dir, keep_last=1, full_every=None)
             order = [("full", lambda: full.save(state)), ("dcp", lambda: dcp_save(state, dcp_dir))]
             for name, fn in order[rep % 2:] + order[:rep % 2]:
                 times[name].append(timed(fn))

@@ -5,7 +5,7 @@ LoRA adapters of rank ``--rank`` on each and their Adam state (about 1% of
 the base at the defaults). Each repetition, interleaved:
 
 - ``full``: a blocking save of the same state into a fresh directory
-  (``full_every`` unset: every byte written, fsynced, published);
+  (``full_every=None``: format 3, every byte written, fsynced, published);
 - ``incremental``: one training step of the adapters, then a blocking save
   into the incremental run (``full_every=1000``), whose earlier saves laid the
   base out in part files: the base's files are linked, the adapters written;
@@ -137,7 +137,7 @@ def main() -> int:
                 loads.append(os.getloadavg()[0])
                 full_dir = work / f"full-{rep}"
                 t = time.perf_counter()
-                with ts.CheckpointManager(full_dir, keep_last=1) as full:
+                with ts.CheckpointManager(full_dir, keep_last=1, full_every=None) as full:
                     full.save(state)
                 times["full"].append(time.perf_counter() - t)
                 step(state)

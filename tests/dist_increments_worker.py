@@ -113,23 +113,22 @@ def incremental(out: Path) -> dict:
 def incremental_missed(out: Path) -> dict:
     """The control: a change detector that remembers each item's first fingerprint (a cheap signal that misses a
     write through ``.data``) links rank 1's changed part, and the restore differs from the live state."""
-    from trainstate.distributed import increments
+    import types
+
+    from trainstate.lifecycle import incremental
 
     first: dict[str, object] = {}
-    real = increments.changes.fingerprints
+    real = incremental.changes.fingerprints
 
     def stale(tensors, *args, **kwargs):
         now = real(tensors, *args, **kwargs)
         return {n: first.setdefault(n, fp) for n, fp in now.items()}
 
-    class Stale:
-        fingerprints = staticmethod(stale)
-
-    increments.changes = Stale
+    incremental.changes = types.SimpleNamespace(**{**vars(incremental.changes), "fingerprints": stale})
     try:
         return _run(out)
     finally:
-        increments.changes = sys.modules["trainstate.state.changes"]
+        incremental.changes = sys.modules["trainstate.state.changes"]
 
 
 def _copy_keeping_links(source: Path, target: Path) -> None:

@@ -23,7 +23,7 @@ from trainstate import cli
 from trainstate.format import tensorfile
 from trainstate.format.codec import TensorTable, decode, encode
 from trainstate.format.digest import CHUNK_BYTES, chunk_digest, chunked_top
-from trainstate.format.manifest import FORMAT_VERSION, FileRecord, Manifest, Pointer, parse_manifest, parse_pointer
+from trainstate.format.manifest import FileRecord, Manifest, Pointer, parse_manifest, parse_pointer
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -309,13 +309,13 @@ def test_format_1_generation_still_restores(tmp_path, capsys):
     assert (live.next_update, live.tokens_seen, live.counters, live.facts) == (7, 1234, {"epoch": 3},
                                                                                {"best": 0.25, "tag": "v1"})
     assert same(_draws(live), _draws(expected))
-    # the run continues in format 2 beside its format-1 generation, and both verify
+    # the run continues in format 4 (incremental generations, the default) beside its format-1 one; both verify
     live.next_update += 1
     with ts.CheckpointManager(run) as ckpt:
         ckpt.save(live)
         again = _v1_state()
         assert ckpt.restore(again).generation.name == "gen-000000000008"
-    assert json.loads((run / "gen-000000000008" / "manifest.json").read_bytes())["format_version"] == FORMAT_VERSION == 3
+    assert json.loads((run / "gen-000000000008" / "manifest.json").read_bytes())["format_version"] == 4
     assert same(again["extra"].value, live["extra"].value) and same(_draws(again), _draws(live))
     assert cli.main(["verify", str(run)]) == 0, capsys.readouterr().out
 

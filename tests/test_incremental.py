@@ -233,6 +233,56 @@ def test_background_saves_and_a_repeated_save_at_one_update(tmp_path):
         assert _equal(_values(fresh), values), name
 
 
+def test_a_tensor_that_keeps_changing_is_fingerprinted_only_when_probed(tmp_path, monkeypatch):
+    """Full fine-tuning (every large tensor changes at every update), ``full_every=4``: a large tensor that changed
+    when last compared records no fingerprint, and the next save writes it whole without a pass over its bytes.
+    Every 4th incremental save of the process probes (fingerprints everything) and the save after it compares. A
+    layer frozen before save 4 is found by the probe at save 5, laid out in a part at save 6 and linked at save 7.
+    Saving the same state again at save 7's update is still a no-op (the manifest lacks the trained layer's
+    fingerprint: it is taken from the stored file), a changed one a revision (the 8th incremental save); every
+    generation restores bitwise."""
+    passes: list[set[str]] = []
+    real = changes.fingerprints
+    monkeypatch.setattr(changes, "fingerprints", lambda tensors, **kw: (
+        passes[-1].update(n for n, t in tensors.items() if t.nbytes >= 1 << 20), real(tensors, **kw))[1])
+    model = _model()
+    model.requires_grad_(True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    state = ts.TrainState(model=model, optimizer=opt, rngs={"data": torch.Generator().manual_seed(0)})
+    run, saved, trained = tmp_path / "run", {}, "model.base.1.weight"
+    with ts.CheckpointManager(run, keep_last=20, full_every=4) as ckpt:
+        for save in range(1, 10):
+            if save == 4:
+                model["base"][0].requires_grad_(False)
+            _step(state)
+            passes.append(set())
+            info = ckpt.save(state)
+            saved[info.name] = _values(state)
+            if save == 7:
+                assert trained not in _manifest(run, info.name)["fingerprints"]["tensors.safetensors"]
+                passes.append(set())  # (these two compare every tensor, the stored ones included)
+                assert ckpt.save(state).name == info.name  # the same state: nothing written
+                model["adapter"].bias.detach().numpy()[0] += 1.0
+                revision = ckpt.save(state)
+                assert revision.name == f"{info.name}-r001"
+                saved[revision.name] = _values(state)
+    del passes[7]
+    # probes at saves 1, 5 and 8 (the revision was the 8th incremental save); saves 2 and 6 compare; the revision's
+    # check took every fingerprint and it records them, so save 8 (probe) compares too, and save 9 skips
+    assert [i + 1 for i, names in enumerate(passes) if trained in names] == [1, 2, 5, 6, 8], passes
+    names = sorted(n for n in saved if "-r" not in n)
+    part = next(f for f in _manifest(run, names[5])["fingerprints"] if f.startswith(BASE))
+    assert set(_manifest(run, names[5])["fingerprints"][part]) == {"model.base.0.weight"}
+    assert _manifest(run, names[6])["shares"] == {part: names[5]}
+    for name, values in saved.items():
+        fresh = _model(seed=9)
+        fresh = ts.TrainState(model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=1e-3),
+                              rngs={"data": torch.Generator()})
+        with ts.CheckpointManager(run) as ckpt:
+            ckpt.restore(fresh, generation=name)
+        assert _equal(_values(fresh), values), name
+
+
 @pytest.mark.parametrize("bad", [0, -2, True, 2.5, "3"])
 def test_full_every_must_be_a_count_of_saves(tmp_path, bad):
     with pytest.raises(ts.InvalidArgument, match="full_every"):
@@ -308,17 +358,44 @@ def test_a_part_damaged_before_a_save_is_written_afresh_not_linked(tmp_path, cap
     assert _equal(_values(fresh), expected)
 
 
-def test_retention_too_short_for_a_fallback_is_warned_about(tmp_path, caplog):
-    """With keep_last <= full_every every kept generation may name one part file: a warning says so (once per
-    setting); keep_last > full_every keeps a generation of the previous span, with its own copy."""
+@pytest.mark.parametrize("control", [False, True])
+def test_retention_keeps_a_fallback_that_shares_nothing_with_the_newest(tmp_path, monkeypatch, capsys, control):
+    """keep_last=2 with full_every=4: beside the last two, retention keeps the newest ancestor that shares no
+    file with the newest, so one flipped bit in the base part every recent generation links still leaves a
+    whole generation to restore, bitwise. Control: without the fallback rule the prune leaves only generations
+    that link the damaged part, and the restore has nothing to fall back to."""
     from trainstate.lifecycle import incremental
 
-    incremental._WARNED.clear()
-    with caplog.at_level("WARNING", logger="trainstate"):
-        _train(tmp_path / "long", 2, full_every=4, keep_last=5)
-        assert "no fallback" not in caplog.text
-        _train(tmp_path / "short", 3, full_every=4, keep_last=2)
-    assert caplog.text.count("no fallback with its own copy") == 1
+    if control:
+        monkeypatch.setattr(incremental, "fallback", lambda *args: None)
+    run = tmp_path / "run"
+    _, saved = _train(run, 7, full_every=4, keep_last=2)
+    names = sorted(saved)  # gen 2 writes the base part, gens 3-5 link it; gen 6 is whole again, gen 7 links it
+    kept = sorted(p.name for p in run.glob("gen-*"))
+    assert kept == (names[-2:] if control else names[-3:])
+    newest = _manifest(run, names[-1])
+    part = next(iter(newest["shares"]))
+    assert newest["shares"][part] == names[5]
+    if not control:
+        # the fallback links its own span's part, first written by gen 2 (pruned; the bytes are not)
+        assert set(_manifest(run, names[4])["shares"].values()) == {names[1]}
+        capsys.readouterr()
+        assert cli.main(["prune", str(run), "--dry-run"]) == 0
+        assert "fallback: shares no file with the newest" in capsys.readouterr().out
+    path = run / names[-1] / part
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x04
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))  # in place: both kept generations that link it see the flip
+    fresh = _state(seed=9)
+    with ts.CheckpointManager(run, keep_last=2, full_every=4) as ckpt:
+        if control:
+            with pytest.raises(ts.TrainStateError):
+                ckpt.restore(fresh)
+            return
+        info = ckpt.restore(fresh)
+    assert info.generation.name == names[4] and [r.generation for r in info.rejected] == names[-1:-3:-1]
+    assert _equal(_values(fresh), saved[names[4]])
 
 
 def test_the_lightning_plugin_links_a_frozen_base(tmp_path):

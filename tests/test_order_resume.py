@@ -72,14 +72,15 @@ def test_golden_run_saved_before_feistel_resumes_with_the_same_ids(tmp_path):
     got = [next(batches).tolist() for _ in range(len(expected["next_batches"]))]
     assert got == expected["next_batches"]  # the rest of epoch 1, then epochs 2 and 3, as the old code read them
     assert loader.data_contract()["algorithm"] == SORT_V1  # and later saves keep recording the sort
-    # The run continues in the same directory: a format-3 generation beside the format-2 one it came from.
+    # The run continues in the same directory: a format-4 (incremental, the default) generation beside the format-2
+    # one it came from.
     with torch.no_grad():
         state["model"].weight.add_(1.0)
     state.next_update += 1
     with ts.CheckpointManager(run) as ckpt:
         saved = ckpt.save(state)
     manifest = json.loads((run / saved.name / "manifest.json").read_text())
-    assert (manifest["format_version"], manifest["digest_algorithm"]) == (3, "blake3-chunked")
+    assert (manifest["format_version"], manifest["digest_algorithm"]) == (4, "blake3-chunked")
     again, again_loader = _state()
     with ts.CheckpointManager(run) as ckpt:
         assert ckpt.restore(again).generation.name == saved.name

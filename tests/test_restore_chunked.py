@@ -34,10 +34,10 @@ def _params(state: ts.TrainState) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state["model"].state_dict().items()}
 
 
-def _save(run, seeds=(1, 2)) -> list[dict[str, torch.Tensor]]:
+def _save(run, seeds=(1, 2), full_every=8) -> list[dict[str, torch.Tensor]]:
     saved = []
     state = _state(seeds[0])
-    with ts.CheckpointManager(run, keep_last=5) as ckpt:
+    with ts.CheckpointManager(run, keep_last=5, full_every=full_every) as ckpt:
         for update, seed in enumerate(seeds, 1):
             with torch.no_grad():
                 for name, value in _state(seed)["model"].state_dict().items():
@@ -61,12 +61,13 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_manifest_lists_verifiable_chunks(tmp_path):
-    _save(tmp_path, seeds=(1,))
+@pytest.mark.parametrize("full_every", [8, None])
+def test_manifest_lists_verifiable_chunks(tmp_path, full_every):
+    _save(tmp_path, seeds=(1,), full_every=full_every)
     gen = tmp_path / "gen-000000000001"
     manifest = parse_manifest((gen / "manifest.json").read_bytes(), "m")
     record = manifest.file(TENSORS)
-    assert manifest.digest_algorithm == "blake3-chunked" and manifest.format_version == 3
+    assert manifest.digest_algorithm == "blake3-chunked" and manifest.format_version == (4 if full_every else 3)
     data = (gen / TENSORS).read_bytes()
     assert len(record.chunks) == -(-len(data) // CHUNK_BYTES) >= 4
     hasher = ChunkedHasher()
@@ -90,8 +91,9 @@ def test_late_bad_chunk_falls_back_and_the_fallback_overwrites_everything(tmp_pa
         ckpt.save(live)  # usable: the fallback loaded completely
 
 
-def test_late_bad_chunk_without_fallback_marks_the_state_unusable(tmp_path):
-    saved = _save(tmp_path, seeds=(1,))
+@pytest.mark.parametrize("full_every", [8, None])
+def test_late_bad_chunk_without_fallback_marks_the_state_unusable(tmp_path, full_every):
+    saved = _save(tmp_path, seeds=(1,), full_every=full_every)
     at = _flip(tmp_path, "gen-000000000001", 100)
     live = _state(99)
     before = _params(live)
@@ -105,9 +107,15 @@ def test_late_bad_chunk_without_fallback_marks_the_state_unusable(tmp_path):
             ckpt.save(live)
         assert not list(tmp_path.glob("gen-000000000000*"))  # nothing was published
     # Verified chunks reached the live tensors; the damaged chunk did not: its bytes are the live ones from before.
-    flat_live = torch.cat([v.reshape(-1).view(torch.uint8) for v in live["model"].state_dict().values()])
-    flat_saved = torch.cat([v.reshape(-1).view(torch.uint8) for v in saved[0].values()])
-    flat_before = torch.cat([v.reshape(-1).view(torch.uint8) for v in before.values()])
+    path = tmp_path / "gen-000000000001" / TENSORS
+    header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    order = [k.removeprefix("model.") for k in sorted((k for k in header if k != "__metadata__"),
+                                                       key=lambda k: header[k]["data_offsets"][0])]  # file order
+
+    def flat(values):
+        return torch.cat([values[k].reshape(-1).view(torch.uint8) for k in order])
+
+    flat_live, flat_saved, flat_before = flat(live["model"].state_dict()), flat(saved[0]), flat(before)
     data_start = (tmp_path / "gen-000000000001" / TENSORS).stat().st_size - flat_saved.numel()
     bad = (at // CHUNK_BYTES) * CHUNK_BYTES - data_start  # where the damaged chunk starts in the tensor data
     assert torch.equal(flat_live[:bad], flat_saved[:bad])
@@ -183,7 +191,7 @@ def test_copying_an_older_format_generation_checks_it_with_its_own_digest(tmp_pa
 
     state = _state(1)
     state.next_update = 1
-    with ts.CheckpointManager(tmp_path / "old", digest="blake3") as ckpt:
+    with ts.CheckpointManager(tmp_path / "old", digest="blake3", full_every=None) as ckpt:
         ckpt.save(state)
     dst = LocalStore(tmp_path / "copy")  # the store's own default is blake3-chunked
     assert dst.digest_algorithm == "blake3-chunked"

@@ -318,6 +318,9 @@ def model_keep(run: Run, names: set[str], kind: str, name: str) -> tuple[set[str
             keep.add(n)
         if n in run.pins.values():
             keep.add(n)
+    fallback = model_fallback(run, names, chain, anchors["full"])
+    if fallback is not None and policy.keep_last >= 2:
+        keep.add(fallback)
     candidates: set[str] = set()
     if policy.best is not None:
         sign = 1 if policy.best[1] == "min" else -1
@@ -327,6 +330,30 @@ def model_keep(run: Run, names: set[str], kind: str, name: str) -> tuple[set[str
             top = min(scored.values())
             candidates = {n for n, key in scored.items() if key == top}
     return keep, candidates
+
+
+def model_fallback(run: Run, names: set[str], chain: set[str], full: str | None) -> str | None:
+    """The newest ancestor of ``full`` whose files share no bytes with its files, when ``full`` links any: from
+    the manifests on disk (each file's origin is the generation its ``shares`` names, else its own)."""
+    seen = run.__dict__.setdefault("origins", {})  # read while on disk: the save being checked may prune one
+
+    def origins(name: str) -> set[tuple[str, str]]:
+        if name not in seen:
+            manifest = json.loads(run.manifest_bytes(name))
+            seen[name] = {(manifest.get("shares", {}).get(f["name"], name), f["name"]) for f in manifest["files"]}
+        return seen[name]
+
+    for n in names:
+        if n not in seen and run.manifest_bytes(n) is not None and run.structural(n):
+            origins(n)
+
+    if full is None or full not in names:
+        return None
+    mine = origins(full)
+    if all(origin == full for origin, _ in mine):
+        return None
+    return next((n for n in newest_first(chain - {full}) if n in names and run.structural(n)
+                 and not origins(n) & mine), None)
 
 
 def check_after_save(run: Run, name: str, before: set[str], pinned_intact: dict[str, bytes | None]) -> None:

@@ -91,7 +91,8 @@ class CheckpointManager:
     byte bar on stderr (tqdm) while a save writes and a restore loads
     (``None``: only when stderr is a terminal; off by default). ``replicas=N`` (multi-node): a node-local
     ``directory``, each node's files also on ``N - 1`` peers by ``failure_domain`` label (docs/concepts/tiers.md).
-    ``full_every=N``: incremental generations (unchanged tensor files linked, not rewritten), every N-th whole."""
+    ``full_every=N`` (default 8): incremental generations, unchanged tensor files linked rather than rewritten,
+    every N-th whole; ``None`` writes every generation whole (docs/guides/incremental.md)."""
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
                  digest: str = "blake3-chunked", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
@@ -102,7 +103,7 @@ class CheckpointManager:
                  mirror_options: dict[str, Any] | None = None, mirror_retention: Retention | None = None,
                  mirror_timeout_s: float = 600.0, progress: bool | None = False, replicas: int | None = None,
                  node: str | int | None = None, failure_domain: str | None = None, wait_replicas: bool = False,
-                 mirror_every: int = 1, full_every: int | None = None):
+                 mirror_every: int = 1, full_every: int | None = publish.DEFAULT_FULL_EVERY):
         runs.check_policy(keep_last, retention)
         publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
         self.store: Store = store if store is not None else open_store(directory, digest,

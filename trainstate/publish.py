@@ -74,7 +74,7 @@ class Pending:
         # this save a no-op (decided before the commit; see trainstate.revisions)
         self.fingerprints: dict | None = None  # each tensor's, once taken (incremental saves)
 
-    def changed_bytes(self, manifest: Manifest) -> list[str] | None:
+    def changed_bytes(self, manifest: Manifest, store: Store | None = None) -> list[str] | None:
         """Whether the tensor file this would write differs from ``manifest``'s, by digest: ``["tensor bytes"]``
         or ``[]``; ``None`` where the bytes are known only once written (a multi-rank share).
 
@@ -86,7 +86,7 @@ class Pending:
         if manifest.fingerprints:  # format 4: the tensors are spread over files; compare their fingerprints
             if self.fingerprints is None:
                 self.fingerprints = changes.fingerprints(self.tensors)
-            return [] if incremental.unchanged(self.fingerprints, manifest) else ["tensor bytes"]
+            return [] if incremental.unchanged(self.fingerprints, manifest, store) else ["tensor bytes"]
         record = manifest.file(TENSORS)
         layout = tensorfile.plan(self.tensors)
         if layout.size != record.size:
@@ -112,6 +112,9 @@ def check_options(*, verify: str, rehearse: Factory | None, headroom: float) -> 
         raise InvalidArgument(f"headroom must be a fraction in [0, 10], got {headroom!r}")
     if rehearse is not None and not callable(rehearse):
         raise InvalidType("rehearse must be a function returning a fresh TrainState")
+
+
+DEFAULT_FULL_EVERY = 8  # incremental by default: each 8th generation along a timeline links nothing
 
 
 def check_full_every(full_every: int | None) -> int | None:
@@ -204,6 +207,7 @@ class Publisher:
         self.progress: bool | None = False  # a byte bar on stderr while the tensors are written (None: on a tty)
         self.full_every: int | None = None  # incremental generations, one self-contained in every N (or None)
         self.known: dict[str, tuple[Manifest, int]] = {}  # the last generation staged here, for the next save
+        self.incremental_saves = 0  # incremental saves planned here: every full_every-th probes (incremental.take)
         self.checked: dict[tuple[int, int], tuple[int, int]] = {}  # part files found intact (incremental.intact)
 
     def publish(self, p: Pending) -> GenerationInfo:
@@ -439,12 +443,13 @@ class Publisher:
             state_json = snapshot.state_json(p.skeleton)
             extra: dict[str, Any] = {}
             if self.full_every is not None and p.kind == "full":  # written by what changed, the rest linked
-                incremental.warn_short_retention(self.retention.keep_last, self.full_every)
                 plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints,
-                                        self.known)
-                meter = progress.optional(len(state_json) + plan.written_bytes, f"save {p.name}", self.progress)
-                files, extra = incremental.write(staging, plan, p.tensors, lambda chunks: progress.counted(
-                    chunks, meter), stable, self.store, self.checked)
+                                        self.known, probe=incremental.probing(self.incremental_saves, self.full_every))
+                self.incremental_saves += 1
+                meter = progress.optional(None, f"save {p.name}", self.progress, deferred=True)
+                files, extra = incremental.write(
+                    staging, plan, p.tensors, lambda chunks: progress.counted(chunks, meter), stable, self.store,
+                    self.checked, total=lambda n: meter and meter.restart(len(state_json) + n, f"save {p.name}"))
                 files.insert(0, staging.write(STATE, progress.counted([state_json], meter)))
             else:
                 layout = tensorfile.plan(p.tensors)

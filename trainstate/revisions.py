@@ -78,7 +78,7 @@ def full_at_update(pub: Any, p: Any) -> GenerationInfo | str | None:
     if base is not None:
         verified = ours[base]
         if verified.manifest.format_version in (FORMAT_VERSION, INCREMENTAL_VERSION):
-            changed = _changes(pub, p, verified) or p.changed_bytes(verified.manifest)
+            changed = _changes(pub, p, verified) or p.changed_bytes(verified.manifest, pub.store)
             if changed is None:  # decided by the staged files' digests, just before the commit
                 p.unless_same = verified
                 return _revision(p, family, base, ["compared by digest before the commit"], quiet=True)

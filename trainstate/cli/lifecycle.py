@@ -99,7 +99,8 @@ def disk_plan(policy: Retention, *, total_updates: int, every: int, size: int, p
 
     ``shared``: bytes an incremental generation links rather than owns (``size`` is then what it owns). They
     are stored once per span between self-contained generations; counted twice (the current span's and the
-    one before), plus once per milestone kept.
+    one before), plus once per milestone kept, plus the bytes of the fallback retention keeps beside
+    ``keep_last`` (a generation that shares no file with the newest).
     """
     if total_updates < 1 or every < 1 or size < 0:
         raise InvalidArgument("total_updates and every must be positive, size non-negative")
@@ -124,7 +125,7 @@ def disk_plan(policy: Retention, *, total_updates: int, every: int, size: int, p
     milestones = [parse_generation_name(n)[0] for n in names
                   if policy.milestone_every and parse_generation_name(n)[1] == "full"
                   and parse_generation_name(n)[0] % policy.milestone_every == 0]
-    spans = (2 + len(milestones)) * shared
+    spans = (2 + len(milestones)) * shared + (size if shared and policy.keep_last >= 2 else 0)  # + the fallback
     return {"saves": len(saves), "milestones": milestones, "kept_at_end": names,
             "peak_bytes": peak + best_slot + pinned_bytes + spans, "final_bytes": final + best_slot + pinned_bytes
             + spans, "upper_bound_bytes": (policy.keep_last + len(milestones) + 1) * size + best_slot + pinned_bytes
@@ -162,7 +163,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"policy ({source}): {_policy_json(policy)}")
     print(f"generation size {size:,} B" + (f" of its own, {shared:,} B shared (stored once per span, counted "
-                                           "twice and once per milestone)" if shared else "")
+                                           "twice and once per milestone, plus the fallback generation)" if shared else "")
           + f"; {report['saves']} saves over {args.total_updates} updates")
     print(f"milestones kept: {report['milestones'] or 'none'}")
     print(f"peak disk (kept generations + one being staged{', + best' if policy.best else ''}"

@@ -34,7 +34,7 @@ import torch
 
 from ..format.manifest import FileRecord, Manifest
 from ..lifecycle import incremental
-from ..state import changes, parts
+from ..state import parts
 
 
 def shard_file(rank: int) -> str:
@@ -54,20 +54,22 @@ class ShardPlan:
     link: bool
     depth: int  # generations in a row that link files, ending with the parent
     checked: dict
+    probe: bool = True  # fingerprint every item (incremental.take)
 
     def write(self, staging: Any, rank: int, tensors: dict[str, torch.Tensor]) -> tuple[list[FileRecord], dict]:
         """Link and write this rank's shard items into ``staging`` (:func:`.incremental.write`); the files'
         records, and the format-4 fields of this rank's files (each file's items with their fingerprints, and
         where each linked file was first written)."""
-        now = changes.fingerprints(tensors)
         main, prefix = shard_file(rank), part_prefix(rank)
         previous = None
         if self.parent is not None:
             previous = {f: p for f, p in incremental.fingerprints_of(self.parent).items()
                         if f == main or f.startswith(prefix)}
-        layout = parts.plan(now, {n: t.nbytes for n, t in tensors.items()}, previous, link=self.link, main=main,
-                            prefix=prefix)
-        plan = incremental.Plan(now, layout, self.parent if self.link else None, 0, self.depth)
+        now = incremental.take(tensors, previous, self.probe)
+        sizes = {n: t.nbytes for n, t in tensors.items()}
+        layout = parts.plan(now, sizes, previous, link=self.link, main=main, prefix=prefix)
+        plan = incremental.Plan(incremental.recorded(now, previous, sizes), layout,
+                                self.parent if self.link else None, self.depth)
         # stable: CPU memory nobody changes while this runs (see Writer.write_data)
         return incremental.write(staging, plan, tensors, lambda chunks: chunks, True, self.store, self.checked,
                                  write_empty=False)
@@ -80,11 +82,14 @@ class RankIncrements:
         self.full_every = full_every
         self.known: dict[str, tuple[Manifest, int]] = {}
         self.checked: dict[tuple[int, int], tuple[int, int]] = {}  # part files found intact (incremental.intact)
+        self.saves = 0  # plans begun: every full_every-th probes (incremental.take)
 
     def begin(self, store: Any, key: Any, parent: str | None) -> ShardPlan:
         """The plan of the next save descending from ``parent`` (read from ``store`` unless kept)."""
         manifest, chain, link = incremental.parent_of(store, key, parent, self.full_every, self.known)
-        return ShardPlan(store, manifest, link, chain, self.checked)
+        self.saves += 1
+        return ShardPlan(store, manifest, link, chain, self.checked, incremental.probing(self.saves - 1,
+                                                                                         self.full_every))
 
     def published(self, manifest: Manifest | None, plan: ShardPlan | None, prepared: str | None = None) -> None:
         """Keep ``manifest`` (just committed, every rank parsed it) for the next save's plan, also under the name

@@ -41,7 +41,7 @@ class DistPending(Pending):
     increment: Any = None  # full_every: what this rank's shard may link (increments.ShardPlan)
     manifest: Any = None  # the committed manifest, as every rank parsed it
 
-    def changed_bytes(self, manifest: Any) -> None:
+    def changed_bytes(self, manifest: Any, store: Any = None) -> None:
         """Unknown until written: the shards' bytes exist only once DCP has planned and written them, so
         rank 0 compares every rank's staged file digests with ``manifest``'s before the commit."""
         return None

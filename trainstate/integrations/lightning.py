@@ -78,6 +78,7 @@ from ..errors import (ContinuationWarning, CorruptGeneration, ExistingRun, Gener
                       InvalidArgument, InvalidType, NoValidGeneration, PinNotFound, Rejection)
 from ..format.codec import TensorTable, encode
 from ..format.manifest import parse_generation_name
+from ..publish import DEFAULT_FULL_EVERY
 from ..format.signing import SigningKey
 from ..lifecycle.retention import Retention
 from ..manager import CheckpointManager
@@ -135,7 +136,8 @@ class TrainStateCheckpointIO(CheckpointIO):
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
                  retention: Retention | None = None, digest: str = "blake3", verify: str = "fast",
-                 signing_key: SigningKey | bytes | str | None = None, full_every: int | None = None):
+                 signing_key: SigningKey | bytes | str | None = None,
+                 full_every: int | None = DEFAULT_FULL_EVERY):
         self.directory = None if directory is None else os.path.abspath(_local(directory))
         self._options: dict[str, Any] = {"keep_last": keep_last, "retention": retention, "digest": digest,
                                          "verify": verify, "signing_key": signing_key, "full_every": full_every}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from ..errors import CorruptGeneration, GenerationNotFound, InvalidArgument, PinNotFound
 from ..format.manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, generation_order,
                                parse_generation_name, parse_pins, parse_pointer, pins_to_bytes)
+from . import incremental
 from .retention import Plan, Retention, best_generation, plan
 from ..format.signing import SigningKey
 from ..storage.base import Store
@@ -202,14 +203,15 @@ class Lifecycle:
         pins = self.pins() if pins is None else pins
         full = anchors.get("full")
         forks = {end for _, end in manifests[full].lineage[:-1]} if full in manifests else set()
+        fallback = incremental.fallback(full, manifests, lineage)
         decided = plan(names, policy=policy, newest=anchors, lineage=lineage, pins=pins,
-                       best=self._best(policy, manifests), forks=forks)
+                       best=self._best(policy, manifests), forks=forks, fallback=fallback)
         record = manifests[full].retention if full in manifests else None
         recorded = policy_from_record(record) if record else None
         if recorded is None or recorded == policy:
             return decided
         under_recorded = plan(names, policy=recorded, newest=anchors, lineage=lineage, pins=pins,
-                              best=self._best(recorded, manifests), forks=forks)
+                              best=self._best(recorded, manifests), forks=forks, fallback=fallback)
         lost = sorted(set(decided.prune) - set(under_recorded.prune))
         note = (f"the policy in force ({policy}) differs from the one {full} recorded ({recorded})"
                 + (f"; it prunes {', '.join(lost)}, which the recorded policy keeps" if lost else ""))

@@ -1,7 +1,8 @@
 """Incremental generations: a save writes the tensors that changed and links the files that did not.
 
-With ``CheckpointManager(..., full_every=N)``, each full generation records
-the fingerprint of every tensor (:mod:`trainstate.state.changes`) and lays its
+By default (``CheckpointManager(..., full_every=8)``; ``None`` turns it off),
+each full generation records the fingerprint of its tensors
+(:mod:`trainstate.state.changes`; :func:`take` says which) and lays its
 tensors out in files by what changes (:mod:`trainstate.state.parts`). The next
 save compares fingerprints with its parent's and *links* each parent file
 whose tensors are all unchanged: on a local filesystem a hard link, so the
@@ -14,7 +15,8 @@ and the mirror read it as any other.
 
 Sharing removes redundancy: one damaged shared file damages every generation
 that names it. So every ``N``-th generation along a timeline links nothing
-(it writes fresh copies of every file), and a restore that finds a damaged
+(it writes fresh copies of every file), retention keeps a :func:`fallback`
+that shares no file with the newest, and a restore that finds a damaged
 shared file falls back past every generation naming it to one with its own
 copy. ``shares`` in each manifest records, for each linked file, the
 generation that first wrote it, which ``trainstate verify`` and ``ls`` use to
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +45,7 @@ import torch
 from ..errors import CorruptGeneration
 from ..format import tensorfile
 from ..format.digest import digest_stream
-from ..format.manifest import INCREMENTAL_VERSION, FileRecord, Manifest
+from ..format.manifest import INCREMENTAL_VERSION, FileRecord, Manifest, generation_order
 from ..format.signing import SigningKey
 from ..state import changes, parts
 from ..state.changes import Fingerprint
@@ -60,23 +63,31 @@ class Plan:
     now: dict[str, Fingerprint]
     layout: parts.Layout
     parent: Manifest | None
-    written_bytes: int
     depth: int  # generations in a row that link files, ending with the parent (0: the parent links none)
     shares: dict[str, str] = field(default_factory=dict)
 
 
-_WARNED: set[tuple[int, int]] = set()
+def origins(manifest: Manifest) -> set[tuple[str, str]]:
+    """Where the bytes of each of ``manifest``'s files were first written: (generation, file) pairs. Two
+    generations share bytes exactly when these sets meet."""
+    return {(manifest.shares.get(f.name, manifest.generation), f.name) for f in manifest.files}
 
 
-def warn_short_retention(keep_last: int, full_every: int) -> None:
-    """Once per process and setting: with ``keep_last <= full_every`` every kept generation may name the same
-    part files, and one damaged part would leave no generation with its own copy to fall back to."""
-    if keep_last > full_every or (keep_last, full_every) in _WARNED:
-        return
-    _WARNED.add((keep_last, full_every))
-    log.warning("keep_last=%d with full_every=%d: every kept generation may link the same part files, so one damaged "
-                "part would leave no fallback with its own copy. Keep more than full_every generations (keep_last=%d), "
-                "or save a self-contained one more often", keep_last, full_every, full_every + 1)
+def fallback(newest: str | None, manifests: Mapping[str, Manifest], lineage: Collection[str]) -> str | None:
+    """The newest ancestor of ``newest`` that shares no file with it, when ``newest`` links any: the generation
+    that stays whole whichever single shared file is damaged (``None`` when ``newest`` links nothing).
+
+    Retention keeps it beside ``keep_last`` (:func:`trainstate.lifecycle.retention.plan`), so the fallback a
+    damaged shared part needs exists whatever ``full_every`` and ``keep_last`` are: with ``keep_last=2`` and a
+    frozen base, two copies of the base are kept (the current span's and the one before), as two self-contained
+    generations would hold."""
+    top = manifests.get(newest) if newest else None
+    if top is None or not top.shares:
+        return None
+    mine = origins(top)
+    older = sorted((n for n in lineage if n != newest and n in manifests and manifests[n].kind == "full"),
+                   key=generation_order, reverse=True)
+    return next((n for n in older if not origins(manifests[n]) & mine), None)
 
 
 def fingerprints_of(manifest: Manifest) -> dict[str, dict[str, Fingerprint]]:
@@ -120,17 +131,47 @@ def parent_of(store: Store, key: SigningKey | None, parent: str | None, full_eve
     return manifest, chain, manifest is not None and chain + 1 < full_every
 
 
+def probing(saves: int, full_every: int) -> bool:
+    """Whether the ``saves``-th incremental save of a process (from 0) probes: the first, then every
+    ``full_every``-th. The first of a process has no fingerprints of its own to go by, and the save after it
+    lays out in parts what did not change between the two."""
+    return saves % full_every == 0
+
+
+def take(tensors: Mapping[str, torch.Tensor], previous: Mapping[str, Mapping[str, Fingerprint]] | None,
+         probe: bool) -> dict[str, Fingerprint]:
+    """The fingerprints a save takes before it writes: every tensor's when it ``probe``s (:func:`probing`), else
+    those of the tensors the parent recorded one for and of every small one. The parent records none for a
+    large tensor that had changed when it was last compared (:func:`recorded`), nor for one nobody compared
+    yet: it is written whole without a pass over its bytes. So a state whose every tensor changes (full
+    fine-tuning, pretraining) pays the pass in about 2 saves in ``full_every`` (the probe and the save after
+    it, which compares), and a tensor that stops changing is found then and laid out in a part. Skipping a
+    pass never skips a write: a tensor without a fingerprint is always written whole."""
+    if probe:
+        return changes.fingerprints(tensors)
+    before = parts.flatten(previous) if previous else {}
+    return changes.fingerprints({n: t for n, t in tensors.items() if n in before or t.nbytes < parts.SMALL_BYTES})
+
+
+def recorded(now: Mapping[str, Fingerprint], previous: Mapping[str, Mapping[str, Fingerprint]] | None,
+             sizes: Mapping[str, int]) -> dict[str, Fingerprint]:
+    """The fingerprints a generation records: those taken, less a large tensor's that changed since the parent
+    (the next save then skips its pass: :func:`take`)."""
+    before = parts.flatten(previous) if previous else {}
+    return {n: fp for n, fp in now.items() if sizes[n] < parts.SMALL_BYTES or before.get(n) in (None, fp)}
+
+
 def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor], parent: str | None,
          full_every: int, now: dict[str, Fingerprint] | None = None,
-         known: dict[str, tuple[Manifest, int]] | None = None) -> Plan:
-    """Fingerprint ``tensors``, read the parent's (:func:`parent_of`), and lay the generation out (see
-    :mod:`trainstate.state.parts`)."""
-    now = now if now is not None else changes.fingerprints(tensors)
+         known: dict[str, tuple[Manifest, int]] | None = None, probe: bool = True) -> Plan:
+    """Read the parent's manifest (:func:`parent_of`), fingerprint ``tensors`` (:func:`take`; ``now``: every
+    tensor's, taken already) and lay the generation out (see :mod:`trainstate.state.parts`)."""
     manifest, chain, link = parent_of(store, key, parent, full_every, known)
     previous = fingerprints_of(manifest) if manifest is not None else None
-    layout = parts.plan(now, {n: t.nbytes for n, t in tensors.items()}, previous, link=link)
-    written = sum(tensors[n].nbytes for names in layout.written.values() for n in names)
-    return Plan(now, layout, manifest if link else None, written, chain)
+    now = now if now is not None else take(tensors, previous, probe)
+    sizes = {n: t.nbytes for n, t in tensors.items()}
+    layout = parts.plan(now, sizes, previous, link=link)
+    return Plan(recorded(now, previous, sizes), layout, manifest if link else None, chain)
 
 
 def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int, int], tuple[int, int]]) -> bool:
@@ -175,26 +216,16 @@ def _holds(stream: Any, fd: int, manifest: Manifest, record: FileRecord, where: 
     if not record.chunks:  # a whole-file digest (blake3, sha256): only the whole file can be checked
         return digest_stream(stream, manifest.digest_algorithm, record.size) == (record.size, record.digest)
     prints = {n: Fingerprint.from_json(v) for n, v in manifest.fingerprints[record.name].items()}
-    layout = chunked.verified_header(stream, record, where, manifest.digest_algorithm)
-    if {e.name for e in layout.entries} != set(prints):
-        return False
-    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped:  # (a tensor file is never empty: it has a header)
-        data = np.frombuffer(mapped, np.uint8)
-        try:
-            return all(changes.of_bytes(data[layout.data_start + e.begin:layout.data_start + e.end],
-                                        str(e.dtype).removeprefix("torch."), tuple(e.shape)) == prints[e.name]
-                       for e in layout.entries)
-        finally:
-            del data
+    return _prints(stream, fd, record, where, manifest.digest_algorithm, None) == prints
 
 
 def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: Any, stable: bool,
           store: Store, checked: dict[tuple[int, int], tuple[int, int]],
-          write_empty: bool = True) -> tuple[list[FileRecord], dict[str, Any]]:
+          write_empty: bool = True, total: Callable[[int], Any] | None = None) -> tuple[list[FileRecord], dict[str, Any]]:
     """Link and write the tensor files of ``p`` into ``staging``; their records and the manifest's format-4
     fields. A file the backend cannot link, or that no longer holds what was recorded (:func:`intact`), is
     written after all. ``write_empty=False``: a file left with no tensor is not written (a multi-rank shard
-    whose items are all linked)."""
+    whose items are all linked). ``total``: told the bytes to be written, once the links are made."""
     records: list[FileRecord] = []
     written = dict(p.layout.written)
     for file in p.layout.linked:
@@ -207,14 +238,16 @@ def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: 
         records.append(linked)
         p.shares[file] = p.parent.shares.get(file, p.parent.generation)  # where its bytes were first written
     written = {file: names for file, names in written.items() if names or write_empty}
-    for file, names in written.items():
-        chosen = {n: tensors[n] for n in names}
-        layout = tensorfile.plan(chosen)
-        records.append(staging.write(file, counted(tensorfile.chunks(layout, chosen)), stable=stable,
+    chosen = {file: {n: tensors[n] for n in names} for file, names in written.items()}
+    layouts = {file: tensorfile.plan(chosen[file]) for file in written}
+    if total is not None:
+        total(sum(layout.size for layout in layouts.values()))
+    for file, layout in layouts.items():
+        records.append(staging.write(file, counted(tensorfile.chunks(layout, chosen[file])), stable=stable,
                                      size_hint=layout.size))
     files = {file: names for file, names in written.items()}
     files.update({file: tuple(p.parent.fingerprints[file]) for file in p.shares} if p.parent else {})
-    prints = {file: {n: p.now[n].to_json() for n in names} for file, names in files.items()}
+    prints = {file: {n: p.now[n].to_json() for n in names if n in p.now} for file, names in files.items()}
     return records, manifest_fields(prints, p.shares)
 
 
@@ -226,7 +259,45 @@ def manifest_fields(prints: dict[str, dict], shares: dict[str, str]) -> dict[str
     return {"fingerprints": prints, "shares": dict(shares), "format_version": INCREMENTAL_VERSION}
 
 
-def unchanged(tensors_now: dict[str, Fingerprint], manifest: Manifest) -> bool:
-    """Whether ``manifest`` (format 4) holds exactly these tensors with these values."""
-    return parts.flatten(fingerprints_of(manifest)) == tensors_now
+def unchanged(tensors_now: dict[str, Fingerprint], manifest: Manifest, store: Store | None = None) -> bool:
+    """Whether ``manifest`` (format 4) holds exactly these tensors with these values. A tensor it records no
+    fingerprint for (:func:`recorded`) is fingerprinted from ``store``'s file, when local; else it counts as
+    changed."""
+    stored = parts.flatten(fingerprints_of(manifest))
+    missing = set(tensors_now) - set(stored)
+    if missing and store is not None:
+        stored.update(stored_prints(store, manifest, missing))
+    return stored == tensors_now
+
+
+def stored_prints(store: Store, manifest: Manifest, names: Collection[str]) -> dict[str, Fingerprint]:
+    """The fingerprints of ``names`` taken from ``manifest``'s local tensor files (header chunk verified); none
+    from a file that is remote, gone or damaged."""
+    out: dict[str, Fingerprint] = {}
+    for file in manifest.fingerprints:
+        where = f"{manifest.generation}/{file}"
+        try:
+            with store.open(manifest.generation, file) as stream:
+                fd = chunked.positional(stream)
+                if fd is not None and manifest.file(file).chunks:
+                    out.update(_prints(stream, fd, manifest.file(file), where, manifest.digest_algorithm, names))
+        except (CorruptGeneration, ValueError, OSError) as exc:
+            log.info("no stored fingerprints from %s: %s", where, exc)
+    return out
+
+
+def _prints(stream: Any, fd: int, record: FileRecord, where: str, algorithm: str,
+            names: Collection[str] | None) -> dict[str, Fingerprint]:
+    """The fingerprints of the tensors (``names``, or all) of a local chunked tensor file, its header verified."""
+    layout = chunked.verified_header(stream, record, where, algorithm)
+    entries = [e for e in layout.entries if names is None or e.name in names]
+    if not entries:
+        return {}
+    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped:  # (a tensor file is never empty: it has a header)
+        data = np.frombuffer(mapped, np.uint8)
+        try:
+            return {e.name: changes.of_bytes(data[layout.data_start + e.begin:layout.data_start + e.end],
+                                             str(e.dtype).removeprefix("torch."), tuple(e.shape)) for e in entries}
+        finally:
+            del data
 

@@ -18,7 +18,11 @@ A generation is kept when any rule keeps it:
   last ``keep_last``, and pruned with it;
 - its update is a multiple of ``milestone_every``;
 - it is pinned by name;
-- it is the best by the policy's metric.
+- it is the best by the policy's metric;
+- it is the *fallback* of an incremental run: with ``keep_last >= 2``, the
+  newest ancestor that shares no file with the newest (see
+  :func:`trainstate.lifecycle.incremental.fallback`), so one damaged shared
+  file always leaves a whole generation to restore, whatever ``full_every``.
 """
 
 from __future__ import annotations
@@ -109,14 +113,15 @@ def best_generation(metrics: Mapping[str, Mapping[str, float]], best: tuple[str,
 
 def plan(names: Collection[str], *, policy: Retention, newest: Mapping[str, str | None],
          lineage: Collection[str] | None = None, pins: Mapping[str, str] | None = None,
-         best: str | None = None, forks: Collection[int] = ()) -> Plan:
+         best: str | None = None, forks: Collection[int] = (), fallback: str | None = None) -> Plan:
     """Decide every library generation in ``names``.
 
     ``newest`` maps a kind (``"full"``, ``"weights"``) to the newest generation
     of that kind that has verified (``None``: nothing of that kind is pruned).
     ``lineage`` is the newest full generation and its ancestors; ``pins`` maps
     pin names to generations; ``best`` is the best generation by the metric;
-    ``forks`` the updates where the newest's lineage left an older timeline.
+    ``forks`` the updates where the newest's lineage left an older timeline; ``fallback`` the newest
+    ancestor that shares no file with the newest (an incremental run; kept with ``keep_last >= 2``).
     """
     pinned: dict[str, list[str]] = {}
     for pin, generation in (pins or {}).items():
@@ -159,6 +164,8 @@ def plan(names: Collection[str], *, policy: Retention, newest: Mapping[str, str 
             reasons.append("pinned: " + ", ".join(sorted(pinned[name])))
         if name == best and policy.best:
             reasons.append(f"best {policy.best[0]} ({policy.best[1]})")
+        if name == fallback and policy.keep_last >= 2 and name != anchor:
+            reasons.append("fallback: shares no file with the newest (one damaged shared file leaves it whole)")
         why = (f"superseded by {superseded[name]} (a later save at the same update)",) if name in superseded \
             else (f"older than the last {policy.keep_for(kind)} {kind} generations",)
         decisions.append(Decision(name, bool(reasons), tuple(reasons) or why, leftover and len(reasons) == 1))

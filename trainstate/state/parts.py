@@ -54,14 +54,15 @@ def plan(now: Mapping[str, Fingerprint], sizes: Mapping[str, int],
          prefix: str = "part-") -> Layout:
     """The layout of a generation whose tensors have fingerprints ``now`` (and byte sizes ``sizes``).
 
-    ``parent``: the parent's tensor files and their tensors' fingerprints (None when unknown: no parent, or
-    one of an older format; then everything goes to ``tensors.safetensors``). ``link``: whether this
+    ``now`` may lack tensors a save did not fingerprint (see :func:`trainstate.lifecycle.incremental.take`):
+    those go to ``main``. ``parent``: the parent's tensor files and their tensors' fingerprints (None when
+    unknown: no parent, or one of an older format; then everything goes to ``tensors.safetensors``). ``link``: whether this
     generation may link the parent's files (False for a self-contained one). ``main`` and ``prefix``: the
     names of the file of what changes and of the parts (a multi-rank shard: ``shard-<rank>.safetensors`` and
     ``shard-<rank>-part-``).
     """
     if not parent:
-        return Layout((), {main: tuple(sorted(now))})
+        return Layout((), {main: tuple(sorted(sizes))})
     part_bytes = PART_BYTES if part_bytes is None else part_bytes
     small_bytes = SMALL_BYTES if small_bytes is None else small_bytes
     linked = tuple(sorted(
@@ -69,7 +70,8 @@ def plan(now: Mapping[str, Fingerprint], sizes: Mapping[str, int],
         if link and file != main and prints and all(now.get(n) == fp for n, fp in prints.items())))
     covered = {n for file in linked for n in parent[file]}
     before = {n: fp for prints in parent.values() for n, fp in prints.items()}
-    steady = sorted(n for n in now if n not in covered and before.get(n) == now[n] and sizes[n] >= small_bytes)
+    steady = sorted(n for n in sizes if n not in covered and n in now and before.get(n) == now[n]
+                    and sizes[n] >= small_bytes)
     parts: list[list[str]] = []
     size = 0
     for name in steady:
@@ -78,7 +80,7 @@ def plan(now: Mapping[str, Fingerprint], sizes: Mapping[str, int],
             size = 0
         parts[-1].append(name)
         size += sizes[name]
-    written = {main: tuple(sorted(set(now) - covered - set(steady)))}
+    written = {main: tuple(sorted(set(sizes) - covered - set(steady)))}
     for names in parts:
         file = _part_name(names, now, prefix)
         if file in written or file in linked:  # the same tensors with the same values: only if linked is False
