@@ -769,6 +769,23 @@ def test_weights_only_generations_are_counted_apart_and_never_the_recovery_point
     assert json.loads(cli_run(capsys, "ls", only, "--json")[1])["recovery_point"] is None
 
 
+def test_best_follows_a_weights_only_generation_replaced_under_its_own_name(tmp_path):
+    """A weights-only save at an update that already has one replaces it, with files of the same names and sizes
+    (here ``val`` 2.0 becomes 0.0). The manifest cache must not keep the replaced one's metrics: the tie at 0.0
+    goes to the newer generation. The random property test found it (seed-dependent: a same-size manifest)."""
+    state = trainer.build(seed=0)
+    with ts.CheckpointManager(tmp_path, retention=Retention(keep_last=2, best=("val", "min"))) as mgr:
+        state.next_update = 1
+        mgr.save(state, weights_only=True, metrics={"val": 0.0})
+        state.next_update = 2
+        mgr.save(state, weights_only=True, metrics={"val": 2.0})
+        assert mgr.best() == gen(1, "weights")
+        listing = sorted((p.name, p.stat().st_size) for p in (tmp_path / gen(2, "weights")).iterdir())
+        mgr.save(state, weights_only=True, metrics={"val": 0.0})  # the same update again: replaced
+        assert sorted((p.name, p.stat().st_size) for p in (tmp_path / gen(2, "weights")).iterdir()) == listing
+        assert mgr.best() == gen(2, "weights")
+
+
 def test_rollback_keeps_the_abandoned_timeline_and_prunes_the_new_one(tmp_path, caplog):
     saved_run(tmp_path, [10, 20, 30, 40, 50], retention=Retention(keep_last=10))
     policy = Retention(keep_last=2)

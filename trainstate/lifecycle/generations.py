@@ -146,9 +146,14 @@ class Lifecycle:
         at every generation) reads only new manifests: at 1,000 generations a
         directory listing each instead of reading, parsing and checking 1,000
         manifests. A file truncated, added or removed since changes the listing
-        and is caught as before; restore and ``verify`` always read afresh.
+        and is caught as before; a generation replaced under its own name (a
+        weights-only one saved again at its update) changes the store's
+        ``identity`` where it has one (a local directory's inode); restore and
+        ``verify`` always read afresh.
         """
-        listing = tuple(sorted(self.store.files(name).items(), key=lambda kv: kv[0]))
+        identity = getattr(self.store, "identity", None)
+        listing = (tuple(sorted(self.store.files(name).items(), key=lambda kv: kv[0])),
+                   identity(name) if identity is not None else None)
         cached = self._checked.get(name)
         if cached is not None and cached[0] == listing:
             return cached[1]

@@ -238,6 +238,12 @@ class LocalStore:
                 out[entry.name] = st.st_size if stat.S_ISREG(st.st_mode) else None
         return out
 
+    def identity(self, generation: str) -> tuple[int, int]:
+        """The generation directory's inode and modification time: another for a generation replaced under its
+        own name (a weights-only one saved again at its update), whose file listing may be the same."""
+        st = os.stat(self._generation_dir(generation))
+        return st.st_ino, st.st_mtime_ns
+
     def open(self, generation: str, file: str) -> BinaryIO:
         return open_regular(self._generation_dir(generation) / file)
 
