@@ -135,7 +135,7 @@ def test_the_same_bytes_again_write_nothing(tmp_path):
 def test_control_without_the_byte_comparison_the_change_is_lost(tmp_path, monkeypatch, kind):
     """The rule before the fix (state.json and metrics only): the second save returns, nothing is written, and a
     fresh process restores the old tensors. The test above would catch it."""
-    monkeypatch.setattr(publish.Pending, "changed_bytes", lambda self, manifest: [])
+    monkeypatch.setattr(publish.Pending, "changed_bytes", lambda self, manifest, store=None: [])
     differs, name, restored, _ = save_twice_and_restore(tmp_path, CHANGES[kind])
     assert name == restored == "gen-000000000003"
     assert differs, "the control should lose the change"

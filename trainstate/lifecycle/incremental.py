@@ -155,10 +155,17 @@ def take(tensors: Mapping[str, torch.Tensor], previous: Mapping[str, Mapping[str
 
 def recorded(now: Mapping[str, Fingerprint], previous: Mapping[str, Mapping[str, Fingerprint]] | None,
              sizes: Mapping[str, int]) -> dict[str, Fingerprint]:
-    """The fingerprints a generation records: those taken, less a large tensor's that changed since the parent
-    (the next save then skips its pass: :func:`take`)."""
+    """The fingerprints a generation records: those taken, less a large tensor's whose bytes changed since the
+    parent (the next save then skips its pass: :func:`take`). One whose dtype or shape changed (a restore at
+    another world size reshards it) is recorded: that is no sign it keeps changing."""
     before = parts.flatten(previous) if previous else {}
-    return {n: fp for n, fp in now.items() if sizes[n] < parts.SMALL_BYTES or before.get(n) in (None, fp)}
+
+    def kept(name: str, fp: Fingerprint) -> bool:
+        old = before.get(name)
+        return sizes[name] < parts.SMALL_BYTES or old is None or old == fp or (old.dtype, old.shape) != (
+            fp.dtype, fp.shape)
+
+    return {n: fp for n, fp in now.items() if kept(n, fp)}
 
 
 def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor], parent: str | None,
