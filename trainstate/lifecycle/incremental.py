@@ -228,7 +228,8 @@ def _holds(stream: Any, fd: int, manifest: Manifest, record: FileRecord, where: 
 
 def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: Any, stable: bool,
           store: Store, checked: dict[tuple[int, int], tuple[int, int]],
-          write_empty: bool = True, total: Callable[[int], Any] | None = None) -> tuple[list[FileRecord], dict[str, Any]]:
+          write_empty: bool = True,
+          total: Callable[[int], Any] | None = None) -> tuple[list[FileRecord], dict[str, Any]]:
     """Link and write the tensor files of ``p`` into ``staging``; their records and the manifest's format-4
     fields. A file the backend cannot link, or that no longer holds what was recorded (:func:`intact`), is
     written after all. ``write_empty=False``: a file left with no tensor is not written (a multi-rank shard

@@ -230,6 +230,10 @@ class ObjectStore:
             raise FileNotFoundError(f"{self.location}: no generation {generation}")
         return attempt
 
+    def identity(self, generation: str) -> str:
+        """The attempt the commit record names: another for a generation replaced under its own name."""
+        return self._attempt(generation)
+
     def files(self, generation: str) -> dict[str, int | None]:
         prefix = f"attempts/{self._attempt(generation)}/"
         return {path[len(prefix):]: size for path, size in self.client.listing(prefix).items()}
