@@ -56,6 +56,10 @@ def _values(state: ts.TrainState) -> dict[str, torch.Tensor]:
     return out
 
 
+def _live(state: ts.TrainState) -> dict[str, torch.Tensor]:
+    return {f"model.{k}": v for k, v in state["model"].state_dict().items()}
+
+
 def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -281,6 +285,44 @@ def test_a_tensor_that_keeps_changing_is_fingerprinted_only_when_probed(tmp_path
         with ts.CheckpointManager(run) as ckpt:
             ckpt.restore(fresh, generation=name)
         assert _equal(_values(fresh), values), name
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_same_update_save_after_a_skipped_pass_compares_the_stored_bytes(tmp_path, monkeypatch, control):
+    """The generation a save at the same update descends from records no fingerprint for a large tensor that keeps
+    changing. A write through ``.data`` to that tensor, then a save at the same update: the tensor is compared
+    with the stored file's bytes, so the save is a revision holding the new value (never a no-op that drops it).
+    Control: a comparison that takes the live fingerprint for the stored one makes that save a no-op, and the
+    restore lacks the write."""
+    from trainstate.lifecycle import incremental
+
+    if control:
+        monkeypatch.setattr(incremental, "stored_prints", lambda store, manifest, names: {
+            n: changes.fingerprints({n: t})[n] for n, t in _live(state).items() if n in names})
+    model = _model()
+    model.requires_grad_(True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    state = ts.TrainState(model=model, optimizer=opt, rngs={"data": torch.Generator().manual_seed(0)})
+    run, trained = tmp_path / "run", "model.base.1.weight"
+    with ts.CheckpointManager(run, keep_last=20, full_every=4) as ckpt:
+        for _ in range(3):
+            _step(state)
+            info = ckpt.save(state)
+        assert trained not in _manifest(run, info.name)["fingerprints"]["tensors.safetensors"]
+        assert ckpt.save(state).name == info.name  # unchanged: a no-op, decided from the stored bytes
+        model["base"][1].weight.data[7, 7] += 1.0
+        revision = ckpt.save(state)
+        expected = _values(state)
+    if control:
+        assert revision.name == info.name  # the write was dropped
+        return
+    assert revision.name == f"{info.name}-r001"
+    fresh = _model(seed=9)
+    fresh = ts.TrainState(model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=1e-3),
+                          rngs={"data": torch.Generator()})
+    with ts.CheckpointManager(run) as ckpt:
+        assert ckpt.restore(fresh).generation.name == revision.name
+    assert _equal(_values(fresh), expected)
 
 
 @pytest.mark.parametrize("bad", [0, -2, True, 2.5, "3"])

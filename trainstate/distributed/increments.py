@@ -34,7 +34,6 @@ import torch
 
 from ..format.manifest import FileRecord, Manifest
 from ..lifecycle import incremental
-from ..state import parts
 
 
 def shard_file(rank: int) -> str:
@@ -60,16 +59,8 @@ class ShardPlan:
         """Link and write this rank's shard items into ``staging`` (:func:`.incremental.write`); the files'
         records, and the format-4 fields of this rank's files (each file's items with their fingerprints, and
         where each linked file was first written)."""
-        main, prefix = shard_file(rank), part_prefix(rank)
-        previous = None
-        if self.parent is not None:
-            previous = {f: p for f, p in incremental.fingerprints_of(self.parent).items()
-                        if f == main or f.startswith(prefix)}
-        now = incremental.take(tensors, previous, self.probe)
-        sizes = {n: t.nbytes for n, t in tensors.items()}
-        layout = parts.plan(now, sizes, previous, link=self.link, main=main, prefix=prefix)
-        plan = incremental.Plan(incremental.recorded(now, previous, sizes), layout,
-                                self.parent if self.link else None, self.depth)
+        plan = incremental.lay_out(tensors, self.parent, self.link, self.depth, self.probe, main=shard_file(rank),
+                                   prefix=part_prefix(rank))
         # stable: CPU memory nobody changes while this runs (see Writer.write_data)
         return incremental.write(staging, plan, tensors, lambda chunks: chunks, True, self.store, self.checked,
                                  write_empty=False)

@@ -174,11 +174,21 @@ def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor],
     """Read the parent's manifest (:func:`parent_of`), fingerprint ``tensors`` (:func:`take`; ``now``: every
     tensor's, taken already) and lay the generation out (see :mod:`trainstate.state.parts`)."""
     manifest, chain, link = parent_of(store, key, parent, full_every, known)
-    previous = fingerprints_of(manifest) if manifest is not None else None
+    return lay_out(tensors, manifest, link, chain, probe, now)
+
+
+def lay_out(tensors: Mapping[str, torch.Tensor], manifest: Manifest | None, link: bool, depth: int, probe: bool,
+            now: dict[str, Fingerprint] | None = None, main: str = parts.TENSORS, prefix: str = "part-") -> Plan:
+    """The plan of a save whose parent's manifest is ``manifest``: its fingerprints (:func:`take`, unless ``now``
+    holds every tensor's), the layout over the parent's files named ``main`` and ``prefix``* (a multi-rank
+    shard's own), and what the generation records (:func:`recorded`)."""
+    previous = None
+    if manifest is not None:
+        previous = {f: p for f, p in fingerprints_of(manifest).items() if f == main or f.startswith(prefix)}
     now = now if now is not None else take(tensors, previous, probe)
     sizes = {n: t.nbytes for n, t in tensors.items()}
-    layout = parts.plan(now, sizes, previous, link=link)
-    return Plan(recorded(now, previous, sizes), layout, manifest if link else None, chain)
+    layout = parts.plan(now, sizes, previous, link=link, main=main, prefix=prefix)
+    return Plan(recorded(now, previous, sizes), layout, manifest if link else None, depth)
 
 
 def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int, int], tuple[int, int]]) -> bool:
