@@ -325,6 +325,33 @@ def test_a_same_update_save_after_a_skipped_pass_compares_the_stored_bytes(tmp_p
     assert _equal(_values(fresh), expected)
 
 
+def test_an_incremental_run_written_before_fingerprints_could_be_skipped_continues_bitwise(tmp_path):
+    """``tests/golden/incremental-v4-run``: gens 2 and 3 of this file's LoRA-shaped run, written by the code of
+    1d7f9d7 (format 4, every tensor fingerprinted; gen 3 links gen 2's part; gen 1 dropped to keep it small). It
+    restores bitwise against a replay of the same steps, and the run continues under today's default: the next
+    save links the old part, and it restores bitwise too."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "golden" / "incremental-v4-run", run)
+    replay = _state()
+    for _ in range(3):
+        _step(replay)
+    state = _state(seed=9)
+    with ts.CheckpointManager(run, keep_last=5) as ckpt:
+        assert ckpt.restore(state).generation.name == "gen-000000000003"
+        assert _equal(_values(state), _values(replay))
+        _step(state)
+        _step(replay)
+        info = ckpt.save(state)
+    part = next(iter(_manifest(run, "gen-000000000003")["shares"]))
+    assert _manifest(run, info.name)["shares"] == {part: "gen-000000000002"}
+    fresh = _state(seed=7)
+    with ts.CheckpointManager(run) as ckpt:
+        assert ckpt.restore(fresh).generation.name == info.name
+    assert _equal(_values(fresh), _values(replay))
+
+
 @pytest.mark.parametrize("bad", [0, -2, True, 2.5, "3"])
 def test_full_every_must_be_a_count_of_saves(tmp_path, bad):
     with pytest.raises(ts.InvalidArgument, match="full_every"):
