@@ -290,10 +290,10 @@ def install_profile(prof: Profiler) -> None:
     prof.wrap(load, "_choose", "restore/1 choose")
     prof.wrap(load, "verify_generation", "restore/1 choose/verify_generation (manifest, sizes)")
     prof.wrap(load, "_templates", "restore/1 choose/templates (get_*_state_dict)")
-    prof.wrap(load, "_fetch_share", "restore/1 choose/_fetch_share")
+    prof.wrap(load, "fetch_share", "restore/1 choose/_fetch_share")
     for step in ("_want_records", "_want_header_starts", "_want_headers", "_want_pieces"):
-        prof.wrap(load, step, f"restore/1 choose/_fetch_share/{step} (plan)")
-    prof.wrap(load, "fetch_together", lambda *a, **k: f"restore/1 choose/_fetch_share/fetch_together, {_round(a[3])}")
+        prof.wrap(share, step, f"restore/1 choose/_fetch_share/{step} (plan)")
+    prof.wrap(share, "fetch_together", lambda *a, **k: f"restore/1 choose/_fetch_share/fetch_together, {_round(a[3])}")
     prof.wrap(fetched.Fetched, "fetch_chunks", "restore/1 choose/_fetch_share/fetch_together/fetch_chunks")
     prof.wrap(fetched.Fetched, "_download", "restore/1 choose/_fetch_share/fetch_together/fetch_chunks/GETs")
     prof.wrap(fetched, "_check", "restore/1 choose/_fetch_share/fetch_together/chunk digests (all)")
@@ -313,7 +313,7 @@ def install_profile(prof: Profiler) -> None:
 
 
 def _round(wanted: dict[str, list[int]]) -> str:
-    """Which of the four rounds of ``_fetch_share`` a ``fetch_together`` call is, from what this rank wants."""
+    """Which of the four rounds of ``share.fetch_share`` a ``fetch_together`` call is, from what this rank wants."""
     shards = {n: c for n, c in wanted.items() if n.startswith("shard-")}
     if not shards:
         return "records round" if wanted else "a round this rank wants nothing from"

@@ -268,7 +268,11 @@ def part_restore(bench: Bench) -> dict:
                     if n.startswith("restore.") or n == "refill":
                         key = f"node{r['node']}.{n.removeprefix('restore.')}"
                         steps[key] = steps.get(key, 0.0) + e - st
-            samples[method].append({"steps": steps,"restore_s": r0["restore_s"], "manager_s": r0["manager_s"],
+            timeline = {f"rank{r['rank']}": [[n.removeprefix("restore."), round(st, 4), round(e, 4)]
+                                              for n, m, st, e in r["events"] if m and n.startswith("restore.")]
+                        for r in ranks}  # the main thread's steps, in order (--out)
+            samples[method].append({"steps": steps, "timeline": timeline, "restore_s": r0["restore_s"],
+                                    "manager_s": r0["manager_s"],
                                     "refill_s": max((sum(events(r["events"], "refill")) for r in ranks), default=0),
                                     "sources": r0["sources"], "load": r0["load"],
                                     "cpu_s": sum(r["cpu_s"] for r in ranks)})

@@ -117,11 +117,17 @@ class Timers:
         self.wrap(tierload, "_refill", "refill")  # after restore returns, on the writer thread
         # a restore's steps (tiered and object store alike: both fetch into memory, verified, then load)
         self.wrap(tierload, "holdings", "restore.report")  # a tiered restore: what each node holds
-        self.wrap(load_mod, "_fetch_share", "restore.fetch")  # the four collective fetch rounds
+        self.wrap(load_mod, "fetch_share", "restore.fetch")  # the four collective fetch rounds
         self.wrap(load_mod, "_load", "restore.load")  # checks and DCP load from the verified bytes
         self.wrap(Fetched, "fetch_chunks", "restore.read")  # this rank's reads (its disk, or GETs), digests
-        self.wrap(tierfetch, "_hand_over", "restore.share")  # chunks sent point to point to the ranks lacking them
+        self.wrap(tierfetch, "_exchange", "restore.share")  # reads; chunks sent to the ranks lacking them
         self.wrap(share_mod, "_share", "restore.share")  # a restore's refill of a node that lost its holding
+        self.wrap(tierload, "_shared_manifest", "restore.manifest")  # the steps of a restore, for its timeline
+        for attr, label in (("_templates", "templates"), ("verify_generation", "verify"), ("_read", "decode"),
+                            ("_load_checked", "dcp"), ("set_model_state_dict", "set_model"),
+                            ("set_optimizer_state_dict", "set_optim")):
+            self.wrap(load_mod, attr, f"restore.{label}")
+        self.wrap(group_mod.Ranks, "all_gather", "restore.gather")
         self.wrap(session_mod.Session, "prepare", "prepare")  # capture at the boundary (collective)
         self.wrap(session_mod.Session, "stage", "stage", static=True)  # the owned copy for a background save
         self.wrap(Writer, "reserve", "reserve")  # backpressure: a slot for the next background save

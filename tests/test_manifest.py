@@ -36,6 +36,30 @@ def test_manifest_and_pointer_round_trip():
     assert parse_pointer(POINTER.to_bytes(), "p") == POINTER
 
 
+def test_the_self_digest_is_checked_on_the_bytes_as_written_without_re_encoding(monkeypatch):
+    from trainstate.format import manifest as module
+    from trainstate.format.signing import SigningKey
+
+    key = SigningKey(b"k" * 32)
+    written = [MANIFEST.to_bytes(), MANIFEST.to_bytes(key)]  # the signature line is left out of the digest too
+    calls = []
+    slow = module._self_digest
+    monkeypatch.setattr(module, "_self_digest", lambda *a: calls.append(1) or slow(*a))
+    for data in written:
+        assert parse_manifest(data, "m", key if b'"signature"' in data else None) == MANIFEST
+    assert calls == [], "a manifest as written needs no re-encoding"
+    # laid out otherwise (the same content): checked by re-encoding, accepted
+    relaid = json.dumps(json.loads(written[1]), indent=3).encode()
+    assert parse_manifest(relaid, "m", key) == MANIFEST and calls == [1]
+    # one character changed where the layout is kept: refused by both checks
+    for data in written:
+        altered = data.replace(b'"next_update": 42', b'"next_update": 43').replace(b"000000000042", b"000000000043")
+        with pytest.raises(CorruptGeneration, match="self-digest"):
+            parse_manifest(altered, "m")
+    # control: the fast check alone, with the lines it removes left in, would refuse what was written
+    assert module.digest_bytes("blake3", written[0][:-1]) != json.loads(written[0])["self_digest"]
+
+
 @pytest.mark.parametrize("edit", [
     lambda d: d.update(format_version=5),  # a version this reader does not know
     lambda d: d.update(format="other"),

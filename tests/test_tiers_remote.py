@@ -13,7 +13,7 @@ import pytest
 
 from multinode import launch_nodes
 from objectservers import FaultProxy, moto_server  # noqa: F401  (fixture)
-from test_tiers import GEN, _resumed
+from test_tiers import GEN, _flip, _resumed
 from trainstate.storage.locate import open_store
 from trainstate.storage.verify import verify_generation
 
@@ -59,6 +59,22 @@ def test_remote_tier_uploads_every_second_generation_and_serves_only_what_the_no
         proxy.clear()
         one = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=2, env=env), "tier_resume", 4)
         assert one[0]["sources"]["peer"] > 0 and one[0]["sources"]["remote"] == 0 and proxy.count() == 0
+
+        # one node lost and one bit flipped in the other node's replica of its shard: the surviving node hands the
+        # replica over unchecked, the receiver's check rejects it, and that file comes from the remote, bitwise
+        _lose(dirs[1])
+        replica = sorted(p for p in (dirs[0] / "replicas" / GEN).glob("shard-*.safetensors") if "small" not in p.name)
+        _flip(replica[0])
+        proxy.clear()
+        launched = launch_nodes(out, dirs, ["tier_resume_unverified"], worker=WORKER, nproc=2, env=env)
+        control = launched.ok("tier_resume_unverified", 4)
+        assert any(r["full_differs"] for r in control), "the control (chunks unchecked) should load the flipped bit"
+        _lose(dirs[1])  # what the control's refill wrote is not evidence here
+        healed = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=2, env=env), "tier_resume", 4)
+        assert healed[0]["generation"] == GEN and healed[0]["rejected"] == []
+        assert healed[0]["sources"]["remote"] > 0 and proxy.count("GET") > 0, healed[0]["sources"]
+        assert any(p.name.startswith(f"{GEN}.rejected") for p in (dirs[0] / "replicas").iterdir()), \
+            "the damaged replica is kept aside"
 
         # every node's directory lost: from the remote alone, then every node refilled
         for directory in dirs:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,9 +33,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 
 from ..errors import (CheckpointFailed, CorruptGeneration, NoValidGeneration, PointerRollback, Rejection,
                       StateMismatch, TrainStateError)
-from ..format import tensorfile
 from ..format.codec import decode
-from ..format.manifest import STATE
 from ..records import GenerationInfo, RestoreInfo
 from ..restore import Candidates, HeldFiles, candidates, check_run, continue_lineage, expected_run
 from ..state.usable import mark_unusable, mark_usable, telling_unusable, unusable
@@ -46,9 +45,9 @@ from ..storage.fetched import Fetched
 from ..storage.verify import decode_verified, read_json_file, read_tensors, verify_generation
 from .capture import contract_fields, sharded_state
 from .commit import rank_json, rank_tensors, verify_share
-from .group import Ranks, collective
+from .group import Ranks
 from .planner import LoadPlanner
-from .share import fetch_together
+from .share import fetch_share
 from .storage import DCP_METADATA, Reader, metadata_from_json
 
 log = logging.getLogger("trainstate")
@@ -208,7 +207,7 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
     except StateMismatch as exc:
         problem = f"!{exc}"
     if isinstance(held, Fetched):  # remote: every rank's share downloaded once, together (collective)
-        problem, ok = _fetch_share(held, verified.manifest if verified else None, ranks, templates, problem)
+        problem, ok = fetch_share(held, verified.manifest if verified else None, ranks, templates, problem)
         if not ok:
             return verified, None, problem
     if not problem:
@@ -220,88 +219,6 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
         except StateMismatch as exc:
             problem = f"!{exc}"
     return verified, parts, problem
-
-
-def _fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
-                 problem: str) -> tuple[str, bool]:
-    """Everything each rank reads, downloaded once over all ranks and verified by each: the global files, its
-    rank records (every rank's at another world size), DCP's metadata, and of each shard only the chunks holding
-    the pieces its load plan reads. Four collective rounds (:func:`.share.fetch_together`), every rank in each."""
-    state: dict[str, Any] = {"needed": None}
-    for step in (_want_records, _want_header_starts, _want_headers, _want_pieces):
-        wanted: dict[str, list[int]] = {}
-        if not problem:
-            try:
-                wanted = {name: chunks for name, chunks in step(fetched, manifest, ranks, templates, state).items()
-                          if chunks}
-            except (CorruptGeneration, OSError) as exc:
-                problem = f"{exc}"
-        problem, ok = getattr(fetched, "together", fetch_together)(fetched, manifest, ranks, wanted, problem)
-        if not ok:
-            return problem, False
-    return problem, True
-
-
-def _want_records(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
-                  state: dict) -> dict[str, list[int]]:
-    saved_world = len(manifest.ranks)
-    own = [ranks.rank] if saved_world == ranks.world_size else list(range(saved_world))
-    present = {f.name for f in manifest.files}
-    names = [STATE, "tensors.safetensors", DCP_METADATA, *(f(r) for r in own for f in (rank_json, rank_tensors))]
-    return {name: fetched.missing(manifest, name) for name in names if name in present}
-
-
-def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
-                        state: dict) -> dict[str, list[int]]:
-    shards = [f.name for f in manifest.files if f.name.startswith("shard-")]
-    metadata = metadata_from_json(read_json_file(fetched, manifest, DCP_METADATA),
-                                  f"{manifest.generation}/{DCP_METADATA}", set(shards))
-    state["needed"] = needed = _planned_entries(templates, metadata, ranks.rank) if templates is not None else None
-    if needed is None:  # not plannable: whole files, so that the checks before loading can say why
-        return {shard: fetched.missing(manifest, shard) for shard in shards}
-    return {shard: fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))]) for shard in needed}
-
-
-def _want_headers(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
-                  state: dict) -> dict[str, list[int]]:
-    out = {}
-    for shard in state["needed"] or {}:
-        with fetched.open(manifest.generation, shard) as stream:
-            length = int.from_bytes(stream.read(8), "little")
-        out[shard] = fetched.missing(manifest, shard, [(0, min(manifest.file(shard).size, 8 + length))])
-    return out
-
-
-def _want_pieces(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
-                 state: dict) -> dict[str, list[int]]:
-    out = {}
-    for shard, entries in (state["needed"] or {}).items():
-        with fetched.open(manifest.generation, shard) as stream:
-            layout = tensorfile.parse_header(stream, manifest.file(shard).size, f"{manifest.generation}/{shard}")
-        found = {e.name: e for e in layout.entries}
-        missing = sorted(entries - set(found))
-        if missing:
-            raise CorruptGeneration(f"{manifest.generation}/{shard}", f"has no entry {missing[0]!r:.80}")
-        out[shard] = fetched.missing(manifest, shard, [(layout.data_start + found[n].begin,
-                                                        layout.data_start + found[n].end) for n in entries])
-    return out
-
-
-def _planned_entries(templates: dict, metadata: Any, rank: int) -> dict[str, set[str]] | None:
-    """Shard file -> the entries this rank's DCP load reads (DCP's own local planning, no collective)."""
-    try:
-        planner = LoadPlanner()
-        planner.set_up_planner(templates, metadata, rank == 0)
-        plan = planner.create_local_plan()
-    except (RuntimeError, ValueError, KeyError, TypeError, AssertionError):
-        return None  # the state does not fit this generation: the checks before loading say how
-    out: dict[str, set[str]] = {}
-    for item in plan.items:
-        info = metadata.storage_data.get(item.storage_index)
-        if info is None:
-            return None
-        out.setdefault(info["file"], set()).add(info["entry"])
-    return out
 
 
 # 2. check, 3. load ------------------------------------------------------------------------------------------
@@ -357,7 +274,8 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     progress = Progress()
     reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files},
                     manifest if parts.get("verify_shards") else None, progress)  # else verified already
-    _load_checked(templates, reader, ranks, name, progress)
+    planned = held.planned if isinstance(held, Fetched) else None
+    _load_checked(templates, reader, ranks, name, progress, planned[1] if planned and planned[0] == name else None)
     error = None
     try:
         for component, described in sharded["components"].items():
@@ -388,25 +306,39 @@ def _loaded_verified(manifest: Any) -> set[str]:
     return {f.name for f in manifest.files if f.name.startswith("shard-") and f.chunks}
 
 
-def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, progress: Progress) -> None:
-    """``dcp.load`` through the verifying reader; damage found on any rank raises :class:`Damaged` on every rank
-    (a lost peer or any other failure raises as before)."""
-    damage, failure = "", None
+def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, progress: Progress,
+                  planned: LoadPlanner | None = None) -> None:
+    """``dcp.load`` through the verifying reader, each rank its own part; then every rank's outcome, gathered:
+    damage found on any rank raises :class:`Damaged` on every rank, any other failure :class:`CheckpointFailed`.
+
+    DCP's collective planning is skipped (``no_dist``): a load plan is each rank's own (the default planner's
+    global step passes the plans through, and the reader adds nothing), so its two rounds of pickled plans
+    decided nothing. The one round after it decides together, as DCP's would have.
+    """
+    damage, failure, own = "", "", None
     try:
-        with collective("load", ranks):
-            dcp.load(templates, storage_reader=reader, planner=LoadPlanner(), process_group=ranks.group)
-    except CorruptGeneration as exc:  # this rank's own (DCP gathered every rank's outcome: none is left waiting)
-        damage = str(exc)
-    except CheckpointFailed as exc:  # another rank's, or a failure that is not damage
-        if exc.peer_lost:
-            raise
-        failure = exc
-    reports = ranks.all_gather([damage, progress.live_changed], "load")
-    damaged = [f"rank {r}: {text}" for r, (text, _) in enumerate(reports) if text]
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": each rank's part
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(templates, storage_reader=reader, planner=LoadPlanner(reuse=planned), no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every rank learns it below, none is left waiting
+        failures = getattr(exc, "failures", None)  # DCP wraps this rank's error (a CheckpointException)
+        own = next(iter(failures.values())) if isinstance(failures, dict) and failures else exc
+        own = own[0] if isinstance(own, tuple) else own  # (exception, traceback)
+        if isinstance(own, CorruptGeneration):
+            damage = str(own)
+        else:
+            failure = f"{type(own).__name__}: {own}"
+    reports = ranks.all_gather([damage, progress.live_changed, failure], "load")
+    damaged = [f"rank {r}: {text}" for r, (text, _, _) in enumerate(reports) if text]
     if damaged:
-        raise Damaged(name, "; ".join(damaged), any(live for _, live in reports))
-    if failure is not None:
-        raise failure
+        raise Damaged(name, "; ".join(damaged), any(live for _, live, _ in reports))
+    failed = {r: text for r, (_, _, text) in enumerate(reports) if text}
+    if failed:
+        if isinstance(own, TrainStateError):
+            raise own
+        raise CheckpointFailed("load", failed) from own
 
 
 def _sharded_record(payload: dict, where: str) -> dict:

@@ -54,7 +54,23 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planning; non-tensor items are decoded by the codec, never unpickled."""
+    """DCP's default load planning; non-tensor items are decoded by the codec, never unpickled.
+
+    ``reuse``: a planner that already planned this rank's reads of the same generation into the same state (a
+    fetching restore plans once to learn which bytes to download); its plan is taken when it covers the same keys.
+    """
+
+    def __init__(self, *args: Any, reuse: LoadPlanner | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._reuse, self.plan = reuse, None
+
+    def create_local_plan(self) -> Any:
+        earlier = self._reuse
+        if earlier is not None and earlier.plan is not None and earlier.state_dict.keys() == self.state_dict.keys():
+            self.plan = earlier.plan
+        else:
+            self.plan = super().create_local_plan()
+        return self.plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         decoded = decode_item(value.read(), read_item.storage_index.fqn)

@@ -23,9 +23,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CorruptGeneration
+from ..format import tensorfile
 from ..format.digest import CHUNK_BYTES
+from ..format.manifest import STATE
 from ..storage.fetched import Fetched
+from ..storage.verify import read_json_file
+from .commit import rank_json, rank_tensors
 from .group import Ranks, _global_rank, collective
+from .planner import LoadPlanner
+from .storage import DCP_METADATA, metadata_from_json
 
 Wanted = dict[str, list[int]]  # file -> chunk indices (see Fetched.missing)
 
@@ -104,3 +110,90 @@ def _share(fetched: Fetched, manifest: Any, ranks: Ranks, source: int, served: W
                 problem = problem or f"{exc} (as rank {source} handed it over)"
         offset += size
     return problem
+
+
+# what each rank reads, in four rounds ------------------------------------------------------------------------
+def fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                 problem: str) -> tuple[str, bool]:
+    """Everything each rank reads, downloaded once over all ranks and verified by each: the global files, its
+    rank records (every rank's at another world size), DCP's metadata, and of each shard only the chunks holding
+    the pieces its load plan reads. Four collective rounds (:func:`.share.fetch_together`), every rank in each."""
+    state: dict[str, Any] = {"needed": None}
+    for step in (_want_records, _want_header_starts, _want_headers, _want_pieces):
+        wanted: dict[str, list[int]] = {}
+        if not problem:
+            try:
+                wanted = {name: chunks for name, chunks in step(fetched, manifest, ranks, templates, state).items()
+                          if chunks}
+            except (CorruptGeneration, OSError) as exc:
+                problem = f"{exc}"
+        problem, ok = getattr(fetched, "together", fetch_together)(fetched, manifest, ranks, wanted, problem)
+        if not ok:
+            return problem, False
+    return problem, True
+
+
+def _want_records(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                  state: dict) -> dict[str, list[int]]:
+    saved_world = len(manifest.ranks)
+    own = [ranks.rank] if saved_world == ranks.world_size else list(range(saved_world))
+    present = {f.name for f in manifest.files}
+    names = [STATE, "tensors.safetensors", DCP_METADATA, *(f(r) for r in own for f in (rank_json, rank_tensors))]
+    return {name: fetched.missing(manifest, name) for name in names if name in present}
+
+
+def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                        state: dict) -> dict[str, list[int]]:
+    shards = [f.name for f in manifest.files if f.name.startswith("shard-")]
+    metadata = metadata_from_json(read_json_file(fetched, manifest, DCP_METADATA),
+                                  f"{manifest.generation}/{DCP_METADATA}", set(shards))
+    state["needed"] = needed = _planned_entries(fetched, manifest.generation, templates, metadata, ranks.rank) \
+        if templates is not None else None
+    if needed is None:  # not plannable: whole files, so that the checks before loading can say why
+        return {shard: fetched.missing(manifest, shard) for shard in shards}
+    return {shard: fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))]) for shard in needed}
+
+
+def _want_headers(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                  state: dict) -> dict[str, list[int]]:
+    out = {}
+    for shard in state["needed"] or {}:
+        with fetched.open(manifest.generation, shard) as stream:
+            length = int.from_bytes(stream.read(8), "little")
+        out[shard] = fetched.missing(manifest, shard, [(0, min(manifest.file(shard).size, 8 + length))])
+    return out
+
+
+def _want_pieces(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
+                 state: dict) -> dict[str, list[int]]:
+    out = {}
+    for shard, entries in (state["needed"] or {}).items():
+        with fetched.open(manifest.generation, shard) as stream:
+            layout = tensorfile.parse_header(stream, manifest.file(shard).size, f"{manifest.generation}/{shard}")
+        found = {e.name: e for e in layout.entries}
+        missing = sorted(entries - set(found))
+        if missing:
+            raise CorruptGeneration(f"{manifest.generation}/{shard}", f"has no entry {missing[0]!r:.80}")
+        out[shard] = fetched.missing(manifest, shard, [(layout.data_start + found[n].begin,
+                                                        layout.data_start + found[n].end) for n in entries])
+    return out
+
+
+def _planned_entries(fetched: Fetched, generation: str, templates: dict, metadata: Any,
+                     rank: int) -> dict[str, set[str]] | None:
+    """Shard file -> the entries this rank's DCP load reads (DCP's own local planning, no collective). The
+    planner is kept on ``fetched`` for the load of that generation to take its plan (``LoadPlanner(reuse=)``)."""
+    try:
+        planner = LoadPlanner()
+        planner.set_up_planner(templates, metadata, rank == 0)
+        plan = planner.create_local_plan()
+        fetched.planned = (generation, planner)
+    except (RuntimeError, ValueError, KeyError, TypeError, AssertionError):
+        return None  # the state does not fit this generation: the checks before loading say how
+    out: dict[str, set[str]] = {}
+    for item in plan.items:
+        info = metadata.storage_data.get(item.storage_index)
+        if info is None:
+            return None
+        out.setdefault(info["file"], set()).add(info["entry"])
+    return out

@@ -2,7 +2,7 @@
 
 :class:`Holdings` is the :class:`~trainstate.storage.fetched.Fetched` view a
 tiered restore reads through (:mod:`.tierload`). Every fetch round of the
-multi-rank restore (:func:`.load._fetch_share`) runs through
+multi-rank restore (:func:`.share.fetch_share`) runs through
 :meth:`Holdings.together`:
 
 - a rank whose node holds a file reads the chunks it needs from its own
@@ -11,24 +11,31 @@ multi-rank restore (:func:`.load._fetch_share`) runs through
 - a chunk its node lacks is read by one rank of a node that holds it (a rank
   that reads it anyway, else the least loaded), or, where no node holds it,
   downloaded from the remote by one rank that needs it; then sent point to
-  point to each rank that needs it, in one global order (the earliest
-  unfinished transfer always has both ends ready: no deadlock);
+  point to each rank that needs it, one message per chunk. Every receive is
+  posted before any rank waits, and a rank that reads a chunk only to hand it
+  over sends it as it is read, while it reads what it keeps: the hand-over
+  overlaps the reads on both sides;
 - every chunk is checked against the manifest's chunk digest by the rank
-  that keeps it, wherever it came from, before it is kept. A copy that fails
-  (a flipped bit on a node's disk, a truncated file) is dropped from the
-  holders and the round runs again from another holder, until none is left.
+  that keeps it, wherever it came from, before it is kept (a chunk read only
+  to be handed over is checked by its receivers, not twice). A copy that
+  fails (a flipped bit on a node's disk, a truncated file), found by the rank
+  that read it or by one that received it, is dropped from the holders and
+  the round runs again for what is still missing, from another holder, until
+  none is left.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 from typing import Any
 
 import numpy
 import torch
 import torch.distributed as dist
 
-from ..errors import CorruptGeneration
+from ..errors import CorruptGeneration, TrainStateError
 from ..format.digest import CHUNK_BYTES
 from ..format.manifest import MANIFEST
 from ..storage.fetched import Fetched
@@ -77,9 +84,8 @@ class _NodeDisk:
         with store.open(generation, file) as stream:
             for begin, end in spans:
                 stream.seek(begin)
-                buffer = bytearray(end - begin)
-                view, got = memoryview(buffer), 0
-                while got < len(buffer):
+                view, got = memoryview(bytearray(end - begin)), 0
+                while got < len(view):
                     n = stream.readinto(view[got:])
                     if not n:
                         break
@@ -109,35 +115,47 @@ class Holdings(Fetched):
         """Bytes this rank read from its node's disk, received from another node, downloaded from the remote."""
         return dict(self.loaded)
 
+    def read_unverified(self, manifest: Any, name: str, chunks: list[int]) -> dict[Chunk, torch.Tensor]:
+        """Chunks this rank reads only to hand over, as read: never kept here, so never trusted here (each
+        receiver checks them against the manifest before keeping them)."""
+        spans = [(i * CHUNK_BYTES, i * CHUNK_BYTES + chunk_bytes(manifest, name, i)) for i in chunks]
+        store = self._store._store(name)
+        end = max((e for _, e in spans), default=0)
+        if getattr(store, "remote", False) or not end:
+            views = self._store.read_ranges(manifest.generation, name, spans)
+            return {(name, i): _as_tensor(view) for i, view in zip(chunks, views)}
+        with store.open(manifest.generation, name) as stream:  # mapped, not copied: sent from the page cache
+            size = os.fstat(stream.fileno()).st_size
+            if size < end:  # (a mapping past the end would fault)
+                raise CorruptGeneration(f"{manifest.generation}/{name}", f"file ends {end - size} bytes early")
+            mapped = memoryview(mmap.mmap(stream.fileno(), end, access=mmap.ACCESS_COPY))
+        return {(name, i): torch.frombuffer(mapped[b:e], dtype=torch.uint8) if e > b else
+                torch.empty(0, dtype=torch.uint8) for i, (b, e) in zip(chunks, spans)}
+
     def together(self, fetched: Fetched, manifest: Any, ranks: Ranks, wanted: dict, problem: str) -> tuple[str, bool]:
         """One collective round: every rank gets the chunks it wants, verified; (problem, every rank's ok)."""
-        topo = self.tier.topology
         while True:
             asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted}, "fetch")
             if any(a["problem"] for a in asks):
                 return problem, False
-            reads, sends = self._plan([a["wanted"] for a in asks])
-            bad, error = [], ""
-            for name, chunks in sorted(reads[ranks.rank].items()):
-                try:
-                    fetched.fetch_chunks(manifest, name, chunks)
-                except (CorruptGeneration, OSError) as exc:
-                    bad.append(name)
-                    error = error or f"{exc} (read on node {topo.node}, {self.tier.own.location})"
+            reads, relays, sends = self._plan([a["wanted"] for a in asks])
+            bad, error = _exchange(self, fetched, manifest, ranks, reads[ranks.rank], relays[ranks.rank], sends)
             reports = ranks.all_gather({"bad": bad, "error": error}, "fetch")
             if not any(r["bad"] for r in reports):
-                break
+                return "", True
             gone = self._drop_damaged(reports, manifest)
+            if gone and self._consult_remote(manifest, ranks):
+                gone = [name for name in gone if name not in self.holders["remote"]]
             if gone:
                 return next(r["error"] for r in reports if r["bad"]) + f"; no other source holds {gone[0]}", False
-        for name, chunks in reads[ranks.rank].items():
-            where = "local" if name in self.holders.get(topo.node, {}) else "remote"
-            self.loaded[where] += sum(chunk_bytes(manifest, name, i) for i in chunks)
-        error = _hand_over(fetched, manifest, ranks, sends, self.loaded, topo.node_of)
-        return error, not any(ranks.all_gather(error, "fetch"))
+            wanted = {name: [i for i in chunks if i in set(fetched.missing(manifest, name))]
+                      for name, chunks in wanted.items()}  # again, from the copies left, for what is still missing
+            wanted = {name: chunks for name, chunks in wanted.items() if chunks}
 
-    def _plan(self, wants: list[dict]) -> tuple[list[dict], list[tuple[int, int, list[Chunk]]]]:
-        """Who reads which chunk, and the (source, receiver, chunks) transfers; the same answer on every rank."""
+    def _plan(self, wants: list[dict]) -> tuple[list[dict], list[dict], list[tuple[int, int, list[tuple]]]]:
+        """Who reads which chunk to keep (``reads``, verified), who reads one only to send it (``relays``, verified
+        by each receiver), and the (source, receiver, [(file, chunk, relayed)]) transfers, each pair's relayed
+        chunks first; the same answer on every rank."""
         node = self.tier.topology.node_of
         needers: dict[Chunk, list[int]] = {}
         for rank, wanted in enumerate(wants):
@@ -146,7 +164,8 @@ class Holdings(Fetched):
                     needers.setdefault((name, index), []).append(rank)
         load = [0] * len(wants)
         reads: list[dict] = [{} for _ in wants]
-        sends: dict[tuple[int, int], list[Chunk]] = {}
+        relays: list[dict] = [{} for _ in wants]
+        sends: dict[tuple[int, int], list[tuple]] = {}
         for (name, index), ranks_ in sorted(needers.items()):
             holding = {n for n, files in self.holders.items() if name in files and n != "remote"}
             local = [r for r in ranks_ if node[r] in holding]
@@ -158,62 +177,139 @@ class Holdings(Fetched):
             pool = local or [r for r in range(len(wants)) if node[r] in holding] or rest
             source = min(pool, key=lambda r: (load[r], r))
             load[source] += CHUNK_BYTES
-            if source not in local:
+            relayed = source not in ranks_
+            if relayed:
+                relays[source].setdefault(name, []).append(index)
+            elif source not in local:  # a rank that needs it downloads it from the remote, for itself and the rest
                 reads[source].setdefault(name, []).append(index)
             for receiver in rest:
                 if receiver != source:
-                    sends.setdefault((source, receiver), []).append((name, index))
-        return reads, [(s, r, chunks) for (s, r), chunks in sorted(sends.items())]
+                    sends.setdefault((source, receiver), []).append((name, index, relayed))
+        return reads, relays, [(s, r, sorted(chunks, key=lambda c: (not c[2], c[0], c[1])))
+                               for (s, r), chunks in sorted(sends.items())]
+
+    def _consult_remote(self, manifest: Any, ranks: Ranks) -> bool:
+        """Collective, once per candidate: when the nodes held the whole generation the remote was not listed; now
+        that a copy turned out damaged, rank 0 asks the remote for the same generation (the same manifest bytes) and
+        every rank learns what it holds. Whether the remote is a source now."""
+        if self.tier.remote is None or "remote" in self.holders:
+            return "remote" in self.holders
+        files = None
+        if ranks.rank == 0:
+            try:
+                with self.tier.remote.store.open(manifest.generation, MANIFEST) as stream:
+                    same = stream.read() == self._small[(manifest.generation, MANIFEST)]
+                files = {f.name: [f.size, "remote"] for f in manifest.files} if same else {}
+            except (OSError, TrainStateError) as exc:
+                log.warning("the remote %s has no readable %s (%s)", self.tier.remote.store.location,
+                            manifest.generation, exc)
+                files = {}
+        self.holders["remote"] = ranks.broadcast(files, "fetch") or {}
+        return bool(self.holders["remote"])
 
     def _drop_damaged(self, reports: list[dict], manifest: Any) -> list[str]:
-        """Forget each copy a rank found damaged (it no longer counts as held); the files no source holds now."""
+        """Forget each copy found damaged (it no longer counts as held); the files no source holds now. A report
+        names the rank that read the copy: its node's, else the remote's (a copy named twice is dropped once)."""
         node = self.tier.topology.node_of
-        for rank, report in enumerate(reports):
-            for name in report["bad"]:
-                log.warning("%s: %s; reading it from another source", manifest.generation, report["error"])
+        copies = {}
+        for report in reports:
+            for rank, name in report["bad"]:
                 where = node[rank] if name in self.holders.get(node[rank], {}) else "remote"
-                held = self.holders.get(where, {}).pop(name, None)
-                if held is not None and where != "remote":
-                    self.damaged.add((where, name, held[1]))
-        return sorted({n for r in reports for n in r["bad"] if not any(n in f for f in self.holders.values())})
+                copies.setdefault((where, name), report["error"])
+        for (where, name), error in sorted(copies.items(), key=str):
+            log.warning("%s: %s; reading it from another source", manifest.generation, error)
+            held = self.holders.get(where, {}).pop(name, None)
+            if held is not None and where != "remote":
+                self.damaged.add((where, name, held[1]))
+        return sorted({name for _, name in copies if not any(name in f for f in self.holders.values())})
 
 
-def _hand_over(fetched: Fetched, manifest: Any, ranks: Ranks, sends: list, loaded: dict, node_of: tuple) -> str:
-    """Every transfer, point to point in one global order, one message per chunk: the receiver verifies each chunk
-    before keeping it, while the next ones are still on the way."""
-    problem = ""
-    for source, receiver, chunks in sends:
-        if ranks.rank not in (source, receiver):
-            continue
-        sizes = [chunk_bytes(manifest, name, index) for name, index in chunks]
-        if ranks.rank == source:
-            with collective("fetch", ranks):
-                works = []
-                for (name, index), size in zip(chunks, sizes):  # a copy per chunk (gloo sends a tensor), sent at once
-                    if not size:
-                        continue
-                    data = torch.empty(size, dtype=torch.uint8)
-                    data.numpy()[:] = numpy.frombuffer(fetched.chunk(manifest, name, index), dtype=numpy.uint8)
-                    works.append((dist.isend(data, dst=_global_rank(ranks.group, receiver), group=ranks.group), data))
-                for work, _ in works:
-                    work.wait()
-            continue
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        view, offset, pending = memoryview(buffer.numpy()), 0, []
-        with collective("fetch", ranks):
-            for size in sizes:
-                pending.append(dist.irecv(buffer[offset:offset + size], src=_global_rank(ranks.group, source),
-                                          group=ranks.group) if size else None)
-                offset += size
-            offset = 0
-            for (name, index), size, work in zip(chunks, sizes, pending):
-                if work is not None:
-                    work.wait()
-                try:
-                    fetched.put_chunk(manifest, name, index, view[offset:offset + size])
-                except CorruptGeneration as exc:
-                    problem = problem or f"{exc} (as rank {source} handed it over)"
-                offset += size
-        if node_of[source] != node_of[receiver]:
-            loaded["peer"] += sum(sizes)
-    return problem
+def _exchange(view: Holdings, fetched: Fetched, manifest: Any, ranks: Ranks, reads: dict, relays: dict,
+              sends: list) -> tuple[list[list], str]:
+    """This rank's part of one round, every transfer point to point and one message per chunk: post every receive;
+    read what only other ranks need and send it as it is read (unverified: each receiver verifies what it keeps);
+    read and verify what this rank keeps; send what it kept and others need; then verify each chunk received, while
+    the next ones are still on the way. Returns the copies found damaged, as ``[rank that read it, file]`` (its
+    node's copy, else the remote's), and the first such error.
+
+    Every receive is posted before this rank waits on anything, and a source sends each chunk it owes, read or not
+    (zeros for one it could not read, which its receiver then rejects): no transfer waits on another, no deadlock.
+    """
+    me, node_of = ranks.rank, view.tier.topology.node_of
+    bad: list[list] = []
+    error = ""
+
+    def failed(rank: int, name: str, exc: BaseException, how: str) -> None:
+        nonlocal error
+        if [rank, name] not in bad:
+            bad.append([rank, name])
+        error = error or f"{exc} ({how})"
+
+    peer = lambda rank: _global_rank(ranks.group, rank)  # noqa: E731
+    with collective("fetch", ranks):
+        receiving = []
+        for source, receiver, chunks in sends:
+            if receiver != me:
+                continue
+            for name, index, _ in chunks:
+                buffer = torch.empty(chunk_bytes(manifest, name, index), dtype=torch.uint8)
+                work = dist.irecv(buffer, src=peer(source), group=ranks.group) if len(buffer) else None
+                receiving.append((source, name, index, buffer, work))
+        relayed: dict[Chunk, torch.Tensor] = {}
+        for name, chunks in sorted(relays.items()):
+            try:
+                relayed.update(view.read_unverified(manifest, name, chunks))
+            except (CorruptGeneration, OSError) as exc:
+                failed(me, name, exc, f"read on node {node_of[me]}, {view.tier.own.location}")
+        sending = []
+
+        def send(relays_first: bool) -> None:
+            for source, receiver, chunks in sends:
+                for name, index, was_relayed in chunks if source == me else ():
+                    if was_relayed == relays_first:
+                        data = relayed.get((name, index)) if was_relayed else _verified(fetched, manifest, name, index)
+                        if data is None:  # unreadable here: zeros, which the receiver rejects (unless they are right)
+                            data = torch.zeros(chunk_bytes(manifest, name, index), dtype=torch.uint8)
+                        if len(data):
+                            sending.append((dist.isend(data, dst=peer(receiver), group=ranks.group), data))
+
+        send(True)
+        for name, chunks in sorted(reads.items()):
+            try:
+                fetched.fetch_chunks(manifest, name, chunks)
+            except (CorruptGeneration, OSError) as exc:
+                failed(me, name, exc, f"read on node {node_of[me]}, {view.tier.own.location}")
+        send(False)
+        for source, name, index, buffer, work in receiving:
+            if work is not None:
+                work.wait()
+            try:
+                fetched.put_chunk(manifest, name, index, memoryview(buffer.numpy()))
+            except CorruptGeneration as exc:
+                failed(source, name, exc, f"as rank {source} handed it over from node {node_of[source]}")
+                continue
+            if node_of[source] != node_of[me]:
+                view.loaded["peer"] += len(buffer)
+        for work, _ in sending:
+            work.wait()
+    for name, chunks in (*reads.items(), *relays.items()):
+        where = "local" if name in view.holders.get(node_of[me], {}) else "remote"
+        view.loaded[where] += sum(chunk_bytes(manifest, name, i) for i in chunks)
+    return bad, error
+
+
+def _verified(fetched: Fetched, manifest: Any, name: str, index: int) -> torch.Tensor | None:
+    """A chunk this rank read and verified, as a tensor over the same bytes (gloo sends tensors); None if absent."""
+    try:
+        chunk = fetched.chunk(manifest, name, index)
+    except KeyError:
+        return None
+    return _as_tensor(chunk)
+
+
+def _as_tensor(view: memoryview) -> torch.Tensor:
+    if not len(view):
+        return torch.empty(0, dtype=torch.uint8)
+    if view.readonly:
+        return torch.from_numpy(numpy.frombuffer(view, dtype=numpy.uint8).copy())
+    return torch.frombuffer(view, dtype=torch.uint8)

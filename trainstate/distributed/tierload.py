@@ -10,7 +10,7 @@
 3. **fetch**: one holder hands the manifest to every rank, which checks it
    against the digest the holders reported (and the signature, when
    signed). Then the multi-rank restore's four fetch rounds run
-   (:func:`.load._fetch_share`), with one difference: each chunk a rank
+   (:func:`.share.fetch_share`), with one difference: each chunk a rank
    needs is read by the rank itself when its node holds the file, else by a
    rank on a node that holds it, and handed over the checkpoint group. Every
    receiver checks every chunk against the manifest's chunk digests before

@@ -37,7 +37,6 @@ chunks. Meta tensors stand in for the rest.
 from __future__ import annotations
 
 import io
-import itertools
 import mmap
 import os
 import stat
@@ -56,6 +55,7 @@ from ..errors import CorruptGeneration
 from ..format import tensorfile
 from ..format.digest import CHUNK_BYTES, chunk_digest
 from ..format.manifest import FileRecord, Manifest
+from .threads import in_order
 from .base import Store
 from .streams import Rewindable
 
@@ -324,7 +324,7 @@ def _mapped_chunks(fd: int, record: FileRecord, targets: list[_Target], where: s
         _one_chunk(fd, record, index, lo, hi, targets, where, algorithm, progress)
         progress.chunk_done(hi - lo, on_bytes)
 
-    in_order_on_threads(count, max(1, min(workers, count)), one, "trainstate-chunks")
+    in_order(count, max(1, min(workers, count)), one)
     if _moved(before, os.fstat(fd)):
         raise CorruptGeneration(where, "was written while it was being read (its size or change time moved); "
                                        "nothing read from it is trusted")
@@ -424,34 +424,7 @@ def _ranged_chunks(spans: SpanReader, record: FileRecord, targets: list[_Target]
             _place(_overlapping(targets, c_lo, c_hi), c_lo, c_hi, chunk, progress)
             progress.chunk_done(c_hi - c_lo, on_bytes)
 
-    in_order_on_threads(len(runs), max(1, min(FETCHERS, len(runs))), one, "trainstate-fetch")
-
-
-def in_order_on_threads(count: int, threads: int, one: Callable[[int], None], name: str) -> None:
-    """``one(0)``, ``one(1)``, ... on ``threads`` threads, each taking the next; after a failure no thread takes
-    another, and once those under way end, the failure of the lowest index is raised."""
-    order = itertools.count()
-    lock = threading.Lock()
-    failures: list[tuple[int, BaseException]] = []
-
-    def work() -> None:
-        while not failures:
-            at = next(order)
-            if at >= count:
-                return
-            try:
-                one(at)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, lowest index first
-                with lock:
-                    failures.append((at, exc))
-                return
-
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) as pool:
-        done = [pool.submit(work) for _ in range(threads)]
-    for future in done:
-        future.result()  # work() catches everything; a bug in it still surfaces
-    if failures:
-        raise min(failures, key=lambda f: f[0])[1]
+    in_order(len(runs), max(1, min(FETCHERS, len(runs))), one)
 
 
 def _overlapping(targets: list[_Target], lo: int, hi: int) -> list[_Target]:

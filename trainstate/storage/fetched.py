@@ -28,7 +28,8 @@ from ..errors import CorruptGeneration, TrainStateError
 from ..format.digest import CHUNK_BYTES, CHUNKED, chunk_digest, digest_bytes
 from ..format.manifest import MANIFEST, FileRecord, Manifest
 from .base import pinned
-from .chunked import FETCHERS, in_order_on_threads
+from .threads import in_order
+from .chunked import FETCHERS
 from .streams import SeekableReader
 
 REQUEST_BYTES = 16 << 20  # one ranged GET: big enough to stream at full speed, small enough to run several at once
@@ -46,6 +47,7 @@ class Fetched:
         self._pin = pinned(store)  # each commit record read once during the restore
         self._pin.__enter__()
         self._names: list[str] | None = None
+        self.planned: tuple | None = None  # (generation, DCP load planner): the reads planned to fetch, for the load
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -98,7 +100,7 @@ class Fetched:
                 _check(record, (begin + offset) // CHUNK_BYTES, data[offset:offset + CHUNK_BYTES], where)
             got[at] = data
 
-        in_order_on_threads(len(requests), max(1, min(FETCHERS, len(requests))), one, "trainstate-fetch")
+        in_order(len(requests), max(1, min(FETCHERS, len(requests))), one)
         sparse = self._files.setdefault((manifest.generation, name), _Sparse(record.size))
         for (begin, _), data in zip(requests, got):
             for offset in range(0, len(data), CHUNK_BYTES):
