@@ -148,9 +148,9 @@ class Holdings(Fetched):
                 gone = [name for name in gone if name not in self.holders["remote"]]
             if gone:
                 return next(r["error"] for r in reports if r["bad"]) + f"; no other source holds {gone[0]}", False
-            wanted = {name: [i for i in chunks if i in set(fetched.missing(manifest, name))]
-                      for name, chunks in wanted.items()}  # again, from the copies left, for what is still missing
-            wanted = {name: chunks for name, chunks in wanted.items() if chunks}
+            missing = {name: set(fetched.missing(manifest, name)) for name in wanted}  # again, from the copies left
+            wanted = {name: kept for name, chunks in wanted.items()
+                      if (kept := [i for i in chunks if i in missing[name]])}
 
     def _plan(self, wants: list[dict]) -> tuple[list[dict], list[dict], list[tuple[int, int, list[tuple]]]]:
         """Who reads which chunk to keep (``reads``, verified), who reads one only to send it (``relays``, verified
