@@ -30,9 +30,10 @@ from safetensors.torch import save_file
 
 from trainstate.cli.demo import RANKS_CONFIG
 from trainstate.drill import KillPlan, Timing
-from trainstate.drill.ranks import (KILL_MODES, compare_ranks, kill_launch, marked_processes, plan_rank_kills,
-                                    run_ranks_drill)
-from trainstate.drill.ranks_worker import FINAL_FILE, LAUNCH_ENV, rank_file
+from trainstate.drill.launch import _TIMEOUT
+from trainstate.drill.ranks import (KILL_MODES, _missed_save, compare_ranks, kill_launch, marked_processes,
+                                    plan_rank_kills, run_ranks_drill)
+from trainstate.drill.ranks_worker import FINAL_FILE, LAUNCH_ENV, RanksConfig, rank_file
 
 SEED = int(os.environ.get("TRAINSTATE_KILL_SEED") or random.SystemRandom().randrange(2**31))
 TOKEN_ENV = "TRAINSTATE_TEST_KILL_RANKS"  # inherited by the demo, its torchruns and their ranks
@@ -120,7 +121,6 @@ def test_an_incremental_multi_rank_run_survives_sigkills_bitwise(tmp_path):
     """Issue 32: the same drill with ``full_every=3`` and a frozen 4 MiB table (each rank's part linked from save
     to save, every third generation whole), keep_last=2 pruning after every save: three SIGKILLs of the whole
     launch (one aimed inside a save), every visible generation verified in full after each, bitwise at the end."""
-    from trainstate.drill.ranks_worker import RanksConfig
     from trainstate.storage.verify import read_manifest
     from trainstate.storage.local import LocalStore
 
@@ -148,6 +148,29 @@ def test_kill_schedule_is_seeded_and_aims_at_every_phase():
             if kills >= 3:
                 assert {"time", "startup"} <= set(modes)
             assert all(0 <= p.fraction < 0.9 and 0 <= p.delay < (0.8 if p.mode == "save" else 1.0) for p in plans)
+
+
+class _Printed:
+    """What a launch has printed so far, as the driver reads it (no process behind it)."""
+
+    def __init__(self, lines: list[str], queued: list[str]):
+        self.lines, self._queued = list(lines), list(queued)
+
+    def next_line(self, deadline: float):
+        if not self._queued:
+            return _TIMEOUT
+        self.lines.append(self._queued.pop(0))
+        return self.lines[-1]
+
+
+def test_a_save_kill_that_would_land_after_its_save_is_re_aimed_at_the_next_one():
+    """The driver aims from when it reads ``saving``; a save over by the time the kill is due, with another to
+    come, re-aims (after reading what the launch printed meanwhile) rather than land a save kill in training."""
+    cfg = RanksConfig(total=40, every=4)
+    assert _missed_save(_Printed(["training 0", "saving 4"], ["saved 4"]), cfg)
+    assert not _missed_save(_Printed(["training 0", "saving 4"], []), cfg)  # still saving: kill now
+    assert not _missed_save(_Printed(["training 0", "saving 4"], ["saved 4", "saving 8"]), cfg)  # the next began
+    assert not _missed_save(_Printed(["training 0", "saving 40"], ["saved 40"]), cfg)  # no save left to aim at
 
 
 def _files(directory: Path, final: dict, ranks: list[dict]) -> Path:

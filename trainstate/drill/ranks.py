@@ -317,6 +317,10 @@ def _drive(launch: Launch, plan: KillPlan | None, share: float, cfg: RanksConfig
         if line is _TIMEOUT:
             if kill_at is None or now < kill_at - 1e-4:
                 raise DrillError(f"a launch did not finish within {limit_s:.0f} s: {launch.tail()}")
+            if plan.mode == "save" and _missed_save(launch, cfg):
+                kill_at, target = None, ("saving", 1, 0.0)  # re-aimed: at the very start of the next save
+                seen = 0
+                continue
             launch.kill()
             return now - launch.spawned
         if line is None:
@@ -339,6 +343,17 @@ def _drive(launch: Launch, plan: KillPlan | None, share: float, cfg: RanksConfig
             seen += 1
         if target is not None and seen == target[1]:
             kill_at = now + plan.delay * target[2]
+
+
+def _missed_save(launch: Launch, cfg: RanksConfig) -> bool:
+    """A kill aimed inside a save is due, but that save has already ended and another is still to come.
+    The driver aims from when it *reads* a ``saving`` line; on a loaded machine it reads it late, and a
+    short save (an incremental one takes tens of milliseconds) can be over by then."""
+    while (line := launch.next_line(time.monotonic())) is not None and line is not _TIMEOUT:
+        pass  # everything the launch printed so far, so that a finished save is seen as finished
+    saving = [int(line.split()[1]) for line in launch.lines if line.startswith("saving ")]
+    saved = {int(line.split()[1]) for line in launch.lines if line.startswith("saved ")}
+    return bool(saving) and saving[-1] in saved and saving[-1] + cfg.every <= cfg.total
 
 
 def _check_restore(start: Start, launch: Launch, expected: str | None) -> list[str]:
