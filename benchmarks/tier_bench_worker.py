@@ -128,6 +128,9 @@ class Timers:
                             ("set_optimizer_state_dict", "set_optim")):
             self.wrap(load_mod, attr, f"restore.{label}")
         self.wrap(group_mod.Ranks, "all_gather", "restore.gather")
+        self.wrap(group_mod.Ranks, "broadcast", "restore.gather")
+        self.wrap(share_mod, "_planned_entries", "restore.plan")  # DCP's local plan, made once (reused by the load)
+        self.wrap(share_mod, "metadata_from_json", "restore.metadata")  # DCP's metadata, decoded
         self.wrap(session_mod.Session, "prepare", "prepare")  # capture at the boundary (collective)
         self.wrap(session_mod.Session, "stage", "stage", static=True)  # the owned copy for a background save
         self.wrap(Writer, "reserve", "reserve")  # backpressure: a slot for the next background save

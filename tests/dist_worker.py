@@ -730,6 +730,29 @@ def rank0_only_save(out: Path) -> dict:
     os._exit(3)  # as a script whose save raised: the process ends, torchrun tears the job down
 
 
+@scenario
+def collectives(out: Path) -> dict:
+    """The JSON and byte collectives at the edges of their one-round room: small values in one round, a value
+    over the room (on one rank only) in a second, ``None`` and empty bytes."""
+    from trainstate.distributed.group import ROOM, checkpoint_groups
+    from trainstate.distributed.tiers import broadcast_bytes
+
+    ranks, _ = checkpoint_groups(None, TIMEOUT_S)
+    big = "x" * (ROOM + 100)
+    edge = "y" * (ROOM - 2)  # with its quotes, exactly the room
+    r = ranks.rank
+    return {
+        "broadcast": [ranks.broadcast(v if r == 0 else "ignored", "t") for v in (None, 7, edge, big, [big, 1])]
+        == [None, 7, edge, big, [big, 1]],
+        "gather_small": ranks.all_gather({"rank": r}, "t") == [{"rank": i} for i in range(ranks.world_size)],
+        "gather_mixed": ranks.all_gather(big if r == 1 else r, "t") == [0, big][: ranks.world_size],
+        "gather_edge": ranks.all_gather([edge, None][r % 2], "t") == [edge, None][: ranks.world_size],
+        "bytes": [broadcast_bytes(ranks, v if r == 0 else None, 0, "t", room=16) for v in (b"", b"a" * 16,
+                                                                                       b"b" * 17)]
+        == [b"", b"a" * 16, b"b" * 17],
+    }
+
+
 def _sized(mode: str, seed: int = 0) -> ts.TrainState:
     """A model of a few MiB with Adam moments (bytes, not metadata, dominate the counts), FSDP2 or DDP."""
     torch.manual_seed(seed)

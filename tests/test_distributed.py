@@ -14,7 +14,8 @@ from distlaunch import launch
 pytestmark = pytest.mark.slow
 
 MAIN = ["roundtrip_save_ddp", "roundtrip_save_fsdp", "exact_resume", "bit_flip", "no_pickle", "replica_divergence",
-        "existing_generation", "raised_faults", "background", "one_rank_refuses", "one_rank_refuses_control"]
+        "existing_generation", "raised_faults", "background", "one_rank_refuses", "one_rank_refuses_control",
+        "collectives"]
 FAULTS = ["kill_rank1_write", "kill_rank0_rename", "hang_rank1_write"]
 
 
@@ -59,6 +60,12 @@ def test_resharding_to_another_world_size_is_exact_for_model_and_optimizer(runs,
 def test_the_loader_continues_the_same_global_order_after_resharding(runs):
     # saved after 5 batches of 4 on each of 2 ranks: the 40 first samples of the epoch's global order are consumed
     assert runs["one"].ok("roundtrip_load_fsdp", 1)[0]["loader"] == [0, 0, 40]
+
+
+def test_collectives_carry_small_and_large_values_exactly(runs):
+    """One round when every value fits the room, a second when one (on one rank only) does not."""
+    for result in runs["two"].ok("collectives"):
+        assert all(result[k] for k in ("broadcast", "gather_small", "gather_mixed", "gather_edge", "bytes")), result
 
 
 # 2. exact resume, with a negative control -------------------------------------------------------------------------

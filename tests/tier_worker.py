@@ -145,7 +145,7 @@ def _pins_of_own_node_only() -> None:
     from trainstate.lifecycle.generations import Lifecycle
 
     def prune(tier, key, ranks):
-        ranks.gather_small({"pins": {}, "error": ""}, "prune")
+        ranks.all_gather({"pins": {}, "error": ""}, "prune")
         if not tier.topology.is_leader:
             return []
         if tier.lifecycle is None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..errors import CheckpointFailed, InvalidArgument, SaveNotJoined, TrainStateError
 
 DEFAULT_TIMEOUT_S = 600.0
+ROOM = 2048  # bytes of JSON a collective carries in its first (fixed-size) round
 JOIN_TIMEOUT_S = 30.0  # how far behind the others a rank may enter save; at most the collective timeout
 JOIN_TIMEOUT_ENV = "TRAINSTATE_SAVE_JOIN_TIMEOUT_S"
 
@@ -54,30 +55,38 @@ class Ranks:
         return self.rank == 0
 
     # JSON collectives ------------------------------------------------------------
+    # Each takes one round when every value fits in ``room`` bytes (a fixed-size buffer that carries its length),
+    # and a second round, of the exact size, only when one does not. Most values crossing ranks are a few dozen
+    # bytes (a problem, a report, a count): a second round just to agree on the size was half their cost.
     def broadcast(self, value: Any, phase: str) -> Any:
         """Rank 0's ``value`` on every rank (JSON-able)."""
         with collective(phase, self):
             data = _encode(value) if self.rank == 0 else b""
-            size = torch.tensor([len(data)], dtype=torch.int64)
-            dist.broadcast(size, src=_global_rank(self.group, 0), group=self.group)
+            head = _framed(data, len(data) if self.rank == 0 else 0)
+            dist.broadcast(head, src=_global_rank(self.group, 0), group=self.group)
+            size = _length(head)
+            if size <= ROOM:
+                return _decoded(head[8:8 + size])
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
-                torch.empty(int(size.item()), dtype=torch.uint8)
-            if buffer.numel():
-                dist.broadcast(buffer, src=_global_rank(self.group, 0), group=self.group)
-            return json.loads(bytes(buffer.numpy()).decode()) if buffer.numel() else None
+                torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(buffer, src=_global_rank(self.group, 0), group=self.group)
+            return _decoded(buffer)
 
-    def all_gather(self, value: Any, phase: str) -> list[Any]:
+    def all_gather(self, value: Any, phase: str, room: int = ROOM) -> list[Any]:
         """Every rank's ``value`` (JSON-able), in rank order, on every rank."""
         with collective(phase, self):
             data = _encode(value)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
-            longest = max(int(s.item()) for s in sizes)
-            padded = torch.zeros(longest, dtype=torch.uint8)
+            mine = _framed(data, len(data), room)
+            out = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(out, mine, group=self.group)
+            sizes = [_length(t) for t in out]
+            if max(sizes) <= room:  # every rank sees the same sizes, so every rank takes the same way
+                return [_decoded(t[8:8 + n]) for t, n in zip(out, sizes)]
+            padded = torch.zeros(max(sizes), dtype=torch.uint8)
             padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
-            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            out = [torch.empty_like(padded) for _ in range(self.world_size)]
             dist.all_gather(out, padded, group=self.group)
-            return [json.loads(bytes(t[: int(s.item())].numpy()).decode()) for t, s in zip(out, sizes)]
+            return [_decoded(t[:n]) for t, n in zip(out, sizes)]
 
     def agree(self, ok: bool, phase: str, error: str = "") -> list[str]:
         """Every rank reports whether its part of ``phase`` succeeded; returns every rank's error ("" for none).
@@ -101,27 +110,11 @@ class Ranks:
             raise error
         raise CheckpointFailed(phase, failed)
 
-    def gather_small(self, value: Any, phase: str, room: int = 2048) -> list[Any]:
-        """Every rank's ``value`` (JSON-able), in rank order: one ``all_gather`` of a fixed-size buffer when every
-        rank's value fits in ``room`` bytes (each buffer carries its length), else :meth:`all_gather`."""
-        data = _encode(value)
-        with collective(phase, self):
-            mine = torch.zeros(room + 8, dtype=torch.uint8)
-            mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-            if 0 < len(data) <= room:
-                mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            out = [torch.empty_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(out, mine, group=self.group)
-        sizes = [int(t[:8].view(torch.int64).item()) for t in out]
-        if max(sizes) > room:  # every rank sees the same sizes, so every rank takes the long way
-            return self.all_gather(value, phase)
-        return [json.loads(bytes(t[8:8 + s].numpy()).decode()) for t, s in zip(out, sizes)]
-
-    def exchange(self, value: Any, error: BaseException | None, phase: str, room: int = 2048) -> list[Any]:
+    def exchange(self, value: Any, error: BaseException | None, phase: str, room: int = ROOM) -> list[Any]:
         """Every rank's ``value`` and whether its part of ``phase`` failed, in one round; a failure anywhere raises
         on every rank as :meth:`check` does (the failed rank its own error, the others :class:`CheckpointFailed`)."""
         text = "" if error is None else f"{type(error).__name__}: {error}"[:1000]
-        every = self.gather_small([None if error else value, text], phase, room)
+        every = self.all_gather([None if error else value, text], phase, room)
         failed = {rank: report for rank, (_, report) in enumerate(every) if report}
         if failed:
             if error is not None:
@@ -172,6 +165,23 @@ class Ranks:
 
 def _encode(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _framed(data: bytes, size: int, room: int = ROOM) -> torch.Tensor:
+    """A collective's first-round buffer: ``size`` as 8 bytes, then ``data`` when it fits in ``room``."""
+    buffer = torch.zeros(room + 8, dtype=torch.uint8)
+    buffer[:8] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
+    if 0 < len(data) <= room:
+        buffer[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buffer
+
+
+def _length(buffer: torch.Tensor) -> int:
+    return int(buffer[:8].view(torch.int64).item())
+
+
+def _decoded(buffer: torch.Tensor) -> Any:
+    return json.loads(bytes(buffer.numpy()).decode()) if buffer.numel() else None
 
 
 def _global_rank(group: Any, rank: int) -> int:

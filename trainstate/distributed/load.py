@@ -231,8 +231,10 @@ def _read(held: HeldFiles, manifest: Any, ranks: Ranks | None) -> dict:
     saved_world = sharded["world_size"]
     wanted = [ranks.rank] if ranks is not None and saved_world == ranks.world_size else list(range(saved_world))
     records = {r: _rank_record(held, manifest, r) for r in wanted}
-    metadata = metadata_from_json(read_json_file(held, manifest, DCP_METADATA), f"{name}/{DCP_METADATA}",
-                                  {f.name for f in manifest.files if f.name.startswith("shard-")})
+    decoded = held.metadata if isinstance(held, Fetched) else None  # decoded by the fetch that planned the reads
+    metadata = decoded[1] if decoded and decoded[0] == name else \
+        metadata_from_json(read_json_file(held, manifest, DCP_METADATA), f"{name}/{DCP_METADATA}",
+                           {f.name for f in manifest.files if f.name.startswith("shard-")})
     return {"payload": payload, "sharded": sharded, "records": records, "metadata": metadata}
 
 
@@ -275,20 +277,22 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files},
                     manifest if parts.get("verify_shards") else None, progress)  # else verified already
     planned = held.planned if isinstance(held, Fetched) else None
-    _load_checked(templates, reader, ranks, name, progress, planned[1] if planned and planned[0] == name else None)
-    error = None
-    try:
+
+    def apply() -> None:
         for component, described in sharded["components"].items():
             if described["kind"] == "module":
                 set_model_state_dict(state.components[component], templates[component])
             else:
                 set_optimizer_state_dict(state.components[described["owner"]], state.components[component],
                                          templates[component])
-        warnings += snapshot.apply(view, merged, statistical_cuda=statistical_cuda, checked=checked)
-    except (TrainStateError, RuntimeError, ValueError, KeyError) as exc:
-        error = StateMismatch(f"loading {name} failed after the checks passed ({type(exc).__name__}: {exc}); live "
-                              "objects may hold part of it: rebuild them before restoring again")
-    ranks.check("apply", error)
+        warnings.extend(snapshot.apply(view, merged, statistical_cuda=statistical_cuda, checked=checked))
+
+    def share() -> dict:  # rank 0's lineage; a tiered view's sources, per rank
+        lineage = continue_lineage(held, manifest) if ranks.rank == 0 else None
+        return {"lineage": lineage, "sources": held.sources() if hasattr(held, "sources") else None}
+
+    shared = _load_checked(templates, reader, ranks, name, progress,
+                           planned[1] if planned and planned[0] == name else None, apply, share)
     mark_usable(state)  # every component loaded completely from one verified generation
     if accepted:
         state.history.append({"event": "contract_change", "restored_from": name, "next_update": state.next_update,
@@ -297,8 +301,17 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
         report = getattr(component, "restore_warnings", None)
         warnings += list(report()) if callable(report) else []
     state.parent = name
-    state.lineage = ranks.broadcast(continue_lineage(held, manifest) if ranks.rank == 0 else None, "lineage")
-    return RestoreInfo(GenerationInfo.from_verified(held, verified), rejected, tuple(accepted), tuple(warnings))
+    state.lineage = shared[0]["lineage"]
+    info = RestoreInfo(GenerationInfo.from_verified(held, verified), rejected, tuple(accepted), tuple(warnings))
+    return _with_sources(info, [s["sources"] for s in shared]) if shared[0]["sources"] is not None else info
+
+
+def _with_sources(info: RestoreInfo, sources: list[dict]) -> RestoreInfo:
+    """``info`` with the bytes every rank took from its own node, from peers and from the remote (tiers)."""
+    import dataclasses
+
+    total = {where: sum(s[where] for s in sources) for where in ("local", "peer", "remote")}
+    return dataclasses.replace(info, sources=total)
 
 
 def _loaded_verified(manifest: Any) -> set[str]:
@@ -307,15 +320,20 @@ def _loaded_verified(manifest: Any) -> set[str]:
 
 
 def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, progress: Progress,
-                  planned: LoadPlanner | None = None) -> None:
-    """``dcp.load`` through the verifying reader, each rank its own part; then every rank's outcome, gathered:
-    damage found on any rank raises :class:`Damaged` on every rank, any other failure :class:`CheckpointFailed`.
+                  planned: LoadPlanner | None = None, apply: Callable[[], None] | None = None,
+                  share: Callable[[], Any] | None = None) -> list[Any]:
+    """``dcp.load`` through the verifying reader, each rank its own part; where it loaded without error,
+    ``apply()`` (the live objects take the rest) and ``share()``; then one round gathers every rank's outcome and
+    shared value (returned, in rank order). Damage found on any rank raises :class:`Damaged` on every rank, any
+    other failure :class:`CheckpointFailed` (a rank's own typed error on that rank).
 
     DCP's collective planning is skipped (``no_dist``): a load plan is each rank's own (the default planner's
     global step passes the plans through, and the reader adds nothing), so its two rounds of pickled plans
-    decided nothing. The one round after it decides together, as DCP's would have.
+    decided nothing. The one round after it decides together, as DCP's would have. A rank applies before it
+    learns the others' outcome: its live tensors already hold its loaded part by then, so a failure elsewhere
+    leaves it no less changed (reported as changed, so the state is unusable unless another generation loads).
     """
-    damage, failure, own = "", "", None
+    damage, failure, trouble, own, applied, shared = "", "", "", None, False, None
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": each rank's part
             warnings.simplefilter("ignore", UserWarning)
@@ -330,15 +348,27 @@ def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, prog
             damage = str(own)
         else:
             failure = f"{type(own).__name__}: {own}"
-    reports = ranks.all_gather([damage, progress.live_changed, failure], "load")
-    damaged = [f"rank {r}: {text}" for r, (text, _, _) in enumerate(reports) if text]
+    if not damage and not failure:
+        try:
+            applied = True
+            if apply is not None:
+                apply()
+            shared = share() if share is not None else None
+        except (TrainStateError, RuntimeError, ValueError, KeyError, OSError) as exc:
+            own = StateMismatch(f"loading {name} failed after the checks passed ({type(exc).__name__}: {exc}); "
+                                "live objects may hold part of it: rebuild them before restoring again")
+            trouble = f"{type(own).__name__}: {own}"[:2000]
+    reports = ranks.all_gather([damage, progress.live_changed or applied, failure, trouble, shared], "load")
+    damaged = [f"rank {r}: {text}" for r, (text, *_) in enumerate(reports) if text]
     if damaged:
-        raise Damaged(name, "; ".join(damaged), any(live for _, live, _ in reports))
-    failed = {r: text for r, (_, _, text) in enumerate(reports) if text}
-    if failed:
-        if isinstance(own, TrainStateError):
-            raise own
-        raise CheckpointFailed("load", failed) from own
+        raise Damaged(name, "; ".join(damaged), any(live for _, live, *_ in reports))
+    for index, phase in ((2, "load"), (3, "apply")):
+        failed = {r: report[index] for r, report in enumerate(reports) if report[index]}
+        if failed:
+            if isinstance(own, TrainStateError):
+                raise own
+            raise CheckpointFailed(phase, failed) from own
+    return [report[4] for report in reports]
 
 
 def _sharded_record(payload: dict, where: str) -> dict:

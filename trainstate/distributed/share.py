@@ -48,6 +48,8 @@ def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted
     asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted}, "fetch")
     if any(a["problem"] for a in asks):
         return problem, False  # someone cannot go on with this candidate: everyone stops here
+    if not any(a["wanted"] for a in asks):
+        return "", True  # nothing to download: the round ends here, every rank alike
     plan = (assigner or assign)([a["wanted"] for a in asks], manifest)
     error = ""
     try:
@@ -112,12 +114,13 @@ def _share(fetched: Fetched, manifest: Any, ranks: Ranks, source: int, served: W
     return problem
 
 
-# what each rank reads, in four rounds ------------------------------------------------------------------------
+# what each rank reads, in four rounds -----------------------------------------------------------------------------
 def fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
                  problem: str) -> tuple[str, bool]:
     """Everything each rank reads, downloaded once over all ranks and verified by each: the global files, its
     rank records (every rank's at another world size), DCP's metadata, and of each shard only the chunks holding
-    the pieces its load plan reads. Four collective rounds (:func:`.share.fetch_together`), every rank in each."""
+    the pieces its load plan reads (a shard it reads every entry of, whole). Four collective rounds
+    (:func:`.share.fetch_together`), every rank in each; one where no rank wants anything ends after its asks."""
     state: dict[str, Any] = {"needed": None}
     for step in (_want_records, _want_header_starts, _want_headers, _want_pieces):
         wanted: dict[str, list[int]] = {}
@@ -147,11 +150,19 @@ def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates
     shards = [f.name for f in manifest.files if f.name.startswith("shard-")]
     metadata = metadata_from_json(read_json_file(fetched, manifest, DCP_METADATA),
                                   f"{manifest.generation}/{DCP_METADATA}", set(shards))
+    fetched.metadata = (manifest.generation, metadata)
     state["needed"] = needed = _planned_entries(fetched, manifest.generation, templates, metadata, ranks.rank) \
         if templates is not None else None
     if needed is None:  # not plannable: whole files, so that the checks before loading can say why
         return {shard: fetched.missing(manifest, shard) for shard in shards}
-    return {shard: fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))]) for shard in needed}
+    held: dict[str, set[str]] = {}  # shard file -> every entry it stores
+    for info in metadata.storage_data.values():
+        held.setdefault(info["file"], set()).add(info["entry"])
+    # a shard this rank loads every entry of (its own, at the same world size) is wanted whole now, in this round;
+    # of any other, the start of its header, then the header, then the pieces (the next rounds)
+    return {shard: fetched.missing(manifest, shard) if entries >= held.get(shard, set()) else
+            fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))])
+            for shard, entries in needed.items()}
 
 
 def _want_headers(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,

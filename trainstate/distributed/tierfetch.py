@@ -138,6 +138,8 @@ class Holdings(Fetched):
             asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted}, "fetch")
             if any(a["problem"] for a in asks):
                 return problem, False
+            if not any(a["wanted"] for a in asks):
+                return "", True  # nothing to hand over: the round ends here, every rank alike
             reads, relays, sends = self._plan([a["wanted"] for a in asks])
             bad, error = _exchange(self, fetched, manifest, ranks, reads[ranks.rank], relays[ranks.rank], sends)
             reports = ranks.all_gather({"bad": bad, "error": error}, "fetch")

@@ -103,12 +103,11 @@ def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[A
                 continue
             loading()
             info = load._load(state, (verified, parts), tuple(rejected), view, ranks, allow, statistical_cuda)
-            sources = ranks.all_gather(view.sources(), "sources")
-            _log_sources(name, sources, ranks.rank)
+            _log_sources(name, info.sources, ranks.rank)
             later = Holdings(tier, manifest, data, view.holders, names)  # what the refill reads, afresh
             later.damaged = set(view.damaged)
             refill(lambda group: _refill_closing(later, manifest, data, group, tier, key))
-            return _with_sources(info, sources), tuple(rejected)
+            return info, tuple(rejected)
         finally:
             view.close()
     if not rejected:
@@ -187,18 +186,10 @@ def _candidates(held: dict[Any, dict], run: str | None, generation: str | None,
     return out
 
 
-def _log_sources(name: str, sources: list[dict], rank: int) -> None:
+def _log_sources(name: str, total: dict, rank: int) -> None:
     if rank == 0:
-        total = {where: sum(s[where] for s in sources) for where in ("local", "peer", "remote")}
         log.info("restored %s: %s bytes from each rank's own node, %s from peers, %s from the remote", name,
                  *(f"{total[w]:,}" for w in ("local", "peer", "remote")))
-
-
-def _with_sources(info: RestoreInfo, sources: list[dict]) -> RestoreInfo:
-    import dataclasses
-
-    total = {where: sum(s[where] for s in sources) for where in ("local", "peer", "remote")}
-    return dataclasses.replace(info, sources=total)
 
 
 # 5. refill ---------------------------------------------------------------------------------------------------

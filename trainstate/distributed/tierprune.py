@@ -44,7 +44,7 @@ def prune(tier: Tier, key: Any, ranks: Ranks, dry_run: bool = False) -> Plan | N
             pins = tier.lifecycle.pins()
         except (TrainStateError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-    every = ranks.gather_small({"pins": pins, "error": error}, "prune")
+    every = ranks.all_gather({"pins": pins, "error": error}, "prune")
     if not leader:
         return None
     unreadable = [f"rank {r}: {e['error']}" for r, e in enumerate(every) if e["error"]]
@@ -60,7 +60,7 @@ def prune_now(tier: Tier, key: Any, ranks: Ranks, dry_run: bool) -> Plan:
     """``ckpt.prune()`` in a tiered run (collective): every node prunes both its stores, by every node's pins, as
     after a save; each rank returns its own node's plan."""
     plan = prune(tier, key, ranks, dry_run)
-    every = ranks.gather_small(None if plan is None else {"note": plan.note, "decisions": [
+    every = ranks.all_gather(None if plan is None else {"note": plan.note, "decisions": [
         [d.generation, d.keep, list(d.reasons), d.left_for_a_human] for d in plan.decisions]}, "prune-plan")
     mine = every[tier.topology.leader(tier.topology.node)]
     return Plan(tuple(Decision(g, k, tuple(r), h) for g, k, r, h in mine["decisions"]), mine["note"])

@@ -42,7 +42,7 @@ from ..format.manifest import MANIFEST, POINTER, Manifest, Pointer, parse_genera
 from ..format.signing import SigningKey
 from ..storage.local import LocalStore
 from ..storage.verify import Verified, read_manifest, read_pointed
-from .group import Ranks, _global_rank, collective
+from .group import Ranks, _framed, _global_rank, _length, collective
 
 REPLICAS = "replicas"  # the replicated tier's store, inside the node's directory
 GLOBAL_FILES = ("state.json", "tensors.safetensors", "dcp-metadata.json")
@@ -198,15 +198,19 @@ def pointed(store: LocalStore, key: SigningKey | None) -> Pointer | None:
 
 
 # bytes between ranks --------------------------------------------------------------------------------------
-def broadcast_bytes(ranks: Ranks, data: bytes | None, source: int, phase: str) -> bytes:
-    """``source``'s bytes on every rank (raw uint8, no JSON)."""
+def broadcast_bytes(ranks: Ranks, data: bytes | None, source: int, phase: str, room: int = 64 << 10) -> bytes:
+    """``source``'s bytes on every rank (raw uint8, no JSON): one round when they fit in ``room`` (a manifest
+    does, but for a run of thousands of files), else a second of their exact size."""
     with collective(phase, ranks):
-        size = torch.tensor([len(data) if ranks.rank == source else 0], dtype=torch.int64)
-        dist.broadcast(size, src=_global_rank(ranks.group, source), group=ranks.group)
+        mine = data if ranks.rank == source else b""
+        head = _framed(mine, len(mine), room)
+        dist.broadcast(head, src=_global_rank(ranks.group, source), group=ranks.group)
+        size = _length(head)
+        if size <= room:
+            return data if ranks.rank == source else bytes(head[8:8 + size].numpy())
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if ranks.rank == source \
-            else torch.empty(int(size.item()), dtype=torch.uint8)
-        if buffer.numel():
-            dist.broadcast(buffer, src=_global_rank(ranks.group, source), group=ranks.group)
+            else torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(buffer, src=_global_rank(ranks.group, source), group=ranks.group)
     return data if ranks.rank == source else bytes(buffer.numpy())
 
 

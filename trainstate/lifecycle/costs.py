@@ -61,7 +61,7 @@ READS_PER_RETAINED = 2  # ... and list and read the manifest of each retained ge
 # the DONE record, the commit record (the manager's constructor and the restore), the manifest (a HEAD and a
 # GET), and the listings.
 RESTORE_FIXED_REQUESTS = 17
-RANK_RESTORE_FIXED_REQUESTS = 15  # a rank of a multi-rank restore (its files are fetched without a HEAD)
+RANK_RESTORE_FIXED_REQUESTS = 10  # a rank of a multi-rank restore (no HEAD; a shard it loads whole is one GET)
 READ_SPAN = 16 << 20  # a multi-rank restore fetches in ranged GETs of at most this many bytes
 CHUNK_SPAN, FETCH_SPAN = 4 << 20, 8 << 20  # a single-process restore: the 4 MiB header chunk, then 8 MiB GETs
 

@@ -48,6 +48,7 @@ class Fetched:
         self._pin.__enter__()
         self._names: list[str] | None = None
         self.planned: tuple | None = None  # (generation, DCP load planner): the reads planned to fetch, for the load
+        self.metadata: tuple | None = None  # (generation, DCP metadata): decoded once, to plan; the load takes it
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
