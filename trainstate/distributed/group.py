@@ -60,17 +60,25 @@ class Ranks:
     # bytes (a problem, a report, a count): a second round just to agree on the size was half their cost.
     def broadcast(self, value: Any, phase: str) -> Any:
         """Rank 0's ``value`` on every rank (JSON-able)."""
+        return json.loads(self.broadcast_bytes(_encode(value) if self.rank == 0 else None, 0, phase))
+
+    def broadcast_bytes(self, data: bytes | None, source: int, phase: str, room: int = ROOM) -> bytes:
+        """``source``'s bytes on every rank (raw, not JSON)."""
         with collective(phase, self):
-            data = _encode(value) if self.rank == 0 else b""
-            head = _framed(data, len(data) if self.rank == 0 else 0)
-            dist.broadcast(head, src=_global_rank(self.group, 0), group=self.group)
+            mine = data if self.rank == source else b""
+            head = _framed(mine, len(mine), room)
+            dist.broadcast(head, src=_global_rank(self.group, source), group=self.group)
             size = _length(head)
-            if size <= ROOM:
-                return _decoded(head[8:8 + size])
-            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
-                torch.empty(size, dtype=torch.uint8)
-            dist.broadcast(buffer, src=_global_rank(self.group, 0), group=self.group)
-            return _decoded(buffer)
+            if self.rank == source:
+                if size > room:
+                    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                   src=_global_rank(self.group, source), group=self.group)
+                return data
+            if size <= room:
+                return bytes(head[8:8 + size].numpy())
+            buffer = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(buffer, src=_global_rank(self.group, source), group=self.group)
+            return bytes(buffer.numpy())
 
     def all_gather(self, value: Any, phase: str, room: int = ROOM) -> list[Any]:
         """Every rank's ``value`` (JSON-able), in rank order, on every rank."""

@@ -33,16 +33,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from ..errors import CorruptGeneration, InvalidArgument
 from ..format.digest import digest_bytes
 from ..format.manifest import MANIFEST, POINTER, Manifest, Pointer, parse_generation_name, parse_manifest
 from ..format.signing import SigningKey
 from ..storage.local import LocalStore
 from ..storage.verify import Verified, read_manifest, read_pointed
-from .group import Ranks, _framed, _global_rank, _length, collective
+from .group import Ranks
 
 REPLICAS = "replicas"  # the replicated tier's store, inside the node's directory
 GLOBAL_FILES = ("state.json", "tensors.safetensors", "dcp-metadata.json")
@@ -199,19 +196,9 @@ def pointed(store: LocalStore, key: SigningKey | None) -> Pointer | None:
 
 # bytes between ranks --------------------------------------------------------------------------------------
 def broadcast_bytes(ranks: Ranks, data: bytes | None, source: int, phase: str, room: int = 64 << 10) -> bytes:
-    """``source``'s bytes on every rank (raw uint8, no JSON): one round when they fit in ``room`` (a manifest
-    does, but for a run of thousands of files), else a second of their exact size."""
-    with collective(phase, ranks):
-        mine = data if ranks.rank == source else b""
-        head = _framed(mine, len(mine), room)
-        dist.broadcast(head, src=_global_rank(ranks.group, source), group=ranks.group)
-        size = _length(head)
-        if size <= room:
-            return data if ranks.rank == source else bytes(head[8:8 + size].numpy())
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if ranks.rank == source \
-            else torch.empty(size, dtype=torch.uint8)
-        dist.broadcast(buffer, src=_global_rank(ranks.group, source), group=ranks.group)
-    return data if ranks.rank == source else bytes(buffer.numpy())
+    """``source``'s bytes on every rank: one round when they fit in ``room`` (a manifest does, but for a run of
+    thousands of files), else a second of their exact size (:meth:`Ranks.broadcast_bytes`)."""
+    return ranks.broadcast_bytes(data, source, phase, room)
 
 
 def node_files(manifest: Manifest, ranks_on_node: list[int]) -> list[str]:
