@@ -28,7 +28,7 @@ import torch
 from hypothesis import strategies as st
 
 from trainstate.format import tensorfile
-from trainstate.format.digest import ChunkedHasher
+from trainstate.format.digest import CHUNKED_ALGORITHMS, ChunkedHasher
 
 G1, G2, G3 = (f"gen-{u:012d}" for u in (1, 2, 3))
 MANIFEST, POINTER = "manifest.json", "latest"
@@ -265,13 +265,13 @@ def edit_header(draw, blob: bytes) -> bytes:
 
 
 def digest(algorithm: object, data: bytes) -> str:
-    if algorithm == "blake3-chunked":
-        return _chunked(data).hexdigest()
+    if algorithm in CHUNKED_ALGORITHMS:
+        return _chunked(data, algorithm).hexdigest()
     return hashlib.sha256(data).hexdigest() if algorithm == "sha256" else blake3.blake3(data).hexdigest()
 
 
-def _chunked(data: bytes) -> ChunkedHasher:
-    hasher = ChunkedHasher()
+def _chunked(data: bytes, algorithm: str) -> ChunkedHasher:
+    hasher = ChunkedHasher(algorithm)
     hasher.update(data)
     hasher.hexdigest()
     return hasher
@@ -296,8 +296,8 @@ def seal(run: Path, generation: str, *, records: bool = True) -> None:
         if type(record) is dict and type(record.get("name")) is str and (run / generation / record["name"]).is_file():
             data = (run / generation / record["name"]).read_bytes()
             record.update(size=len(data), digest=digest(algorithm, data))
-            if algorithm == "blake3-chunked":  # and each chunk's digest, which restore checks on its own
-                record["chunks"] = list(_chunked(data).chunks)
+            if algorithm in CHUNKED_ALGORITHMS:  # and each chunk's digest, which restore checks on its own
+                record["chunks"] = list(_chunked(data, algorithm).chunks)
     body = {k: v for k, v in raw.items() if k != "self_digest"}
     raw["self_digest"] = digest(algorithm, json.dumps(body, indent=1, sort_keys=True).encode())
     data = json.dumps(raw, indent=1, sort_keys=True).encode() + b"\n"

@@ -153,7 +153,7 @@ def test_verify_exit_codes(run, capsys):
         assert cli_run(capsys, "verify", str(run / name))[0] == 0
     flip_tensor_data(run / G2)
     rc, out, _ = cli_run(capsys, "verify", str(run))
-    assert rc == 1 and f"FAILED  {G2}: {G2}/{TENSORS}: blake3-chunked digest mismatch in chunk" in out
+    assert rc == 1 and f"FAILED  {G2}: {G2}/{TENSORS}: xxh3-chunked digest mismatch in chunk" in out
     assert cli_run(capsys, "verify", str(run / G2))[0] == 1
     assert cli_run(capsys, "verify", str(run / G3))[0] == 0
 

@@ -341,13 +341,17 @@ def _golden_files() -> dict[str, bytes]:
                         (FileRecord("state.json", 10, "ab" * 32), FileRecord("tensors.safetensors", 20, "cd" * 32)),
                         "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None, format_version=2)
     pointer = Pointer("gen-000000000042", "12" * 32, 300, "blake3", 42, format_version=2)
-    chunks = tuple(chunk_digest(bytes([i]) * 16) for i in range(2))
-    v3 = Manifest("gen-000000000042", "full", 42, "blake3-chunked",
-                  (FileRecord("state.json", 10, chunked_top(10, chunks[:1]), chunks[:1]),
-                   FileRecord("tensors.safetensors", CHUNK_BYTES + 1, chunked_top(CHUNK_BYTES + 1, chunks), chunks)),
-                  "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None)
+    chunked = {}
+    for algorithm in ("blake3-chunked", "xxh3-chunked"):
+        chunks = tuple(chunk_digest(bytes([i]) * 16, algorithm) for i in range(2))
+        chunked[algorithm] = Manifest(
+            "gen-000000000042", "full", 42, algorithm,
+            (FileRecord("state.json", 10, chunked_top(10, chunks[:1], algorithm), chunks[:1]),
+             FileRecord("tensors.safetensors", CHUNK_BYTES + 1, chunked_top(CHUNK_BYTES + 1, chunks, algorithm), chunks)),
+            "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None).to_bytes()
     return {"skeleton.json": skeleton, "tensors.safetensors": tensor_bytes,
-            "manifest.json": manifest.to_bytes(), "latest": pointer.to_bytes(), "manifest-v3.json": v3.to_bytes()}
+            "manifest.json": manifest.to_bytes(), "latest": pointer.to_bytes(),
+            "manifest-v3.json": chunked["blake3-chunked"], "manifest-v3-xxh3.json": chunked["xxh3-chunked"]}
 
 
 def test_golden_bytes_pin_format_version_2():
@@ -358,6 +362,8 @@ def test_golden_bytes_pin_format_version_2():
     assert parse_pointer((GOLDEN / "latest").read_bytes(), "g").format_version == 2
     v3 = parse_manifest((GOLDEN / "manifest-v3.json").read_bytes(), "g")  # format 3: chunk digests per file
     assert v3.format_version == 3 and v3.digest_algorithm == "blake3-chunked"
+    fast = parse_manifest((GOLDEN / "manifest-v3-xxh3.json").read_bytes(), "g")  # XXH3-128 per chunk
+    assert fast.digest_algorithm == "xxh3-chunked" and all(len(c) == 32 for f in fast.files for c in f.chunks)
     assert len(v3.file("tensors.safetensors").chunks) == 2 and v3.to_bytes() == (GOLDEN / "manifest-v3.json").read_bytes()
     tensor_bytes = (GOLDEN / "tensors.safetensors").read_bytes()
     header = tensorfile.parse_header(io.BytesIO(tensor_bytes), len(tensor_bytes), "g")

@@ -328,8 +328,9 @@ def test_a_same_update_save_after_a_skipped_pass_compares_the_stored_bytes(tmp_p
 def test_an_incremental_run_written_before_fingerprints_could_be_skipped_continues_bitwise(tmp_path):
     """``tests/golden/incremental-v4-run``: gens 2 and 3 of this file's LoRA-shaped run, written by the code of
     1d7f9d7 (format 4, every tensor fingerprinted; gen 3 links gen 2's part; gen 1 dropped to keep it small). It
-    restores bitwise against a replay of the same steps, and the run continues under today's default: the next
-    save links the old part, and it restores bitwise too."""
+    restores bitwise against a replay of the same steps, and the run continues with its digest (blake3-chunked;
+    today's default for an unsigned run is xxh3-chunked, under which the next save is whole: the test below): the
+    next save links the old part, and it restores bitwise too."""
     import shutil
 
     run = tmp_path / "run"
@@ -338,7 +339,7 @@ def test_an_incremental_run_written_before_fingerprints_could_be_skipped_continu
     for _ in range(3):
         _step(replay)
     state = _state(seed=9)
-    with ts.CheckpointManager(run, keep_last=5) as ckpt:
+    with ts.CheckpointManager(run, keep_last=5, digest="blake3-chunked") as ckpt:
         assert ckpt.restore(state).generation.name == "gen-000000000003"
         assert _equal(_values(state), _values(replay))
         _step(state)
@@ -397,7 +398,7 @@ def test_an_object_store_and_a_mirror_upload_only_what_changed(tmp_path, moto_se
         assert _equal(_values(fresh), saved[name])
 
 
-@pytest.mark.parametrize("digest", ["blake3-chunked", "blake3"])
+@pytest.mark.parametrize("digest", ["xxh3-chunked", "blake3-chunked", "blake3"])
 def test_a_part_damaged_before_a_save_is_written_afresh_not_linked(tmp_path, caplog, digest):
     """A save never passes on damage: the part it would link is checked first (its header chunk by digest, its
     tensors by fingerprint; once per process until the file's size or modification time moves), and a damaged
@@ -491,3 +492,38 @@ def test_the_lightning_plugin_links_a_frozen_base(tmp_path):
         loaded = TrainStateCheckpointIO(tmp_path / "run").load_checkpoint(path)
         assert loaded["global_step"] == checkpoint["global_step"]
         assert all(torch.equal(loaded["state_dict"][k], v) for k, v in checkpoint["state_dict"].items())
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_run_that_changes_its_digest_writes_its_next_generation_whole(tmp_path, monkeypatch, control):
+    """Linked files keep the digests they were written with, so a save links nothing from a parent that names
+    another algorithm (a run saved before xxh3-chunked became the default, continued now): the new generation is
+    whole and restores bitwise. Control: linking anyway yields a manifest whose reused chunk digests do not match
+    its algorithm, which no reader accepts."""
+    from trainstate.lifecycle import incremental
+
+    run = tmp_path / "run"
+    state = _state()
+    with ts.CheckpointManager(run, keep_last=10, full_every=10, digest="blake3-chunked") as ckpt:
+        for _ in range(2):
+            _step(state)
+            ckpt.save(state)
+    if control:
+        real = incremental.parent_of
+        monkeypatch.setattr(incremental, "parent_of", lambda store, *a, **k: real(
+            type("Same", (), {"digest_algorithm": "blake3-chunked", "__getattr__": lambda s, n: getattr(store, n)})(),
+            *a, **k))
+    _step(state)
+    with ts.CheckpointManager(run, keep_last=10, full_every=10) as ckpt:  # the default: xxh3-chunked
+        if control:
+            with pytest.raises(ts.TrainStateError, match="chunk digests"):
+                ckpt.save(state)
+            return
+        info = ckpt.save(state)
+        expected = _values(state)
+    manifest = _manifest(run, info.name)
+    assert manifest["digest_algorithm"] == "xxh3-chunked" and "shares" not in manifest
+    fresh = _state(seed=9)
+    with ts.CheckpointManager(run) as ckpt:
+        assert ckpt.restore(fresh).generation.name == info.name
+    assert _equal(_values(fresh), expected)

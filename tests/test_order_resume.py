@@ -80,7 +80,7 @@ def test_golden_run_saved_before_feistel_resumes_with_the_same_ids(tmp_path):
     with ts.CheckpointManager(run) as ckpt:
         saved = ckpt.save(state)
     manifest = json.loads((run / saved.name / "manifest.json").read_text())
-    assert (manifest["format_version"], manifest["digest_algorithm"]) == (4, "blake3-chunked")
+    assert (manifest["format_version"], manifest["digest_algorithm"]) == (4, "xxh3-chunked")
     again, again_loader = _state()
     with ts.CheckpointManager(run) as ckpt:
         assert ckpt.restore(again).generation.name == saved.name

@@ -186,7 +186,7 @@ def test_a_new_save_after_rolling_forward_moves_latest_first(tmp_path, signed):
     state = _run(tmp_path, 2, key)
     (tmp_path / "latest").write_bytes(_pointer(tmp_path, "gen-000000000001", key))  # gen 2's move was cut
     ops = _LatestAtCommit(tmp_path)
-    with ts.CheckpointManager(tmp_path, signing_key=key, store=LocalStore(tmp_path, ops=ops)) as ckpt:
+    with ts.CheckpointManager(tmp_path, signing_key=key, store=LocalStore(tmp_path, "blake3-chunked", ops=ops)) as ckpt:
         ckpt.restore(got := build(seed=9))
         assert got.next_update == state.next_update
         step(got)

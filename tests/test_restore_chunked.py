@@ -1,4 +1,4 @@
-"""Format 3 (``blake3-chunked``): restore reads each byte once, and nothing unverified reaches a live tensor.
+"""Format 3 (chunked digests: ``xxh3-chunked``, ``blake3-chunked``): restore reads each byte once, and nothing unverified reaches a live tensor.
 
 A chunk that fails late is the hard case of a one-pass restore: verified
 chunks before it are already in live tensors. Restore then falls back to the
@@ -67,14 +67,15 @@ def test_manifest_lists_verifiable_chunks(tmp_path, full_every):
     gen = tmp_path / "gen-000000000001"
     manifest = parse_manifest((gen / "manifest.json").read_bytes(), "m")
     record = manifest.file(TENSORS)
-    assert manifest.digest_algorithm == "blake3-chunked" and manifest.format_version == (4 if full_every else 3)
+    assert manifest.digest_algorithm == "xxh3-chunked" and manifest.format_version == (4 if full_every else 3)
     data = (gen / TENSORS).read_bytes()
     assert len(record.chunks) == -(-len(data) // CHUNK_BYTES) >= 4
-    hasher = ChunkedHasher()
+    hasher = ChunkedHasher("xxh3-chunked")
     for i in range(0, len(data), 1_000_003):  # updates that straddle chunk boundaries
         hasher.update(data[i : i + 1_000_003])
     assert hasher.hexdigest() == record.digest and tuple(hasher.chunks) == record.chunks
-    assert chunked_top(record.size, record.chunks) == record.digest
+    assert chunked_top(record.size, record.chunks, "xxh3-chunked") == record.digest
+    assert all(len(c) == 32 for c in record.chunks)  # XXH3-128
 
 
 def test_late_bad_chunk_falls_back_and_the_fallback_overwrites_everything(tmp_path):
@@ -158,11 +159,11 @@ def test_a_tampered_chunk_list_is_refused(tmp_path):
 
     def sealed() -> bytes:  # an attacker who edits the manifest and recomputes its self-digest
         body = {k: v for k, v in raw.items() if k not in ("self_digest", "signature")}
-        raw["self_digest"] = digest_bytes("blake3-chunked", json.dumps(body, indent=1, sort_keys=True).encode())
+        raw["self_digest"] = digest_bytes(raw["digest_algorithm"], json.dumps(body, indent=1, sort_keys=True).encode())
         return json.dumps(raw).encode()
 
     parse_manifest(sealed(), "m")  # the control: resealing alone is accepted
-    record["chunks"][1] = "00" * 32  # one chunk digest replaced (to pass off a changed chunk)
+    record["chunks"][1] = "0" * len(record["chunks"][1])  # one chunk digest replaced (to pass off a changed chunk)
     with pytest.raises(ts.CorruptGeneration, match="do not combine"):
         parse_manifest(sealed(), "m")
     record["chunks"] = record["chunks"][:-1]
@@ -193,8 +194,8 @@ def test_copying_an_older_format_generation_checks_it_with_its_own_digest(tmp_pa
     state.next_update = 1
     with ts.CheckpointManager(tmp_path / "old", digest="blake3", full_every=None) as ckpt:
         ckpt.save(state)
-    dst = LocalStore(tmp_path / "copy")  # the store's own default is blake3-chunked
-    assert dst.digest_algorithm == "blake3-chunked"
+    dst = LocalStore(tmp_path / "copy")  # the store's own default is xxh3-chunked
+    assert dst.digest_algorithm == "xxh3-chunked"
     verified = copy_generation(LocalStore(tmp_path / "old", create=False), dst, "gen-000000000001", None)
     assert verified.manifest.digest_algorithm == "blake3" and verified.manifest.format_version == 3
     live = _state(7)

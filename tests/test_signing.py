@@ -41,7 +41,7 @@ def _forge(run: Path, generation: str, edit) -> None:
             hasher = new_hasher(manifest["digest_algorithm"])
             hasher.update(data)
             record["size"], record["digest"] = len(data), hasher.hexdigest()
-            if "chunks" in record:  # blake3-chunked: the chunk digests too
+            if "chunks" in record:  # a chunked digest: the chunk digests too
                 record["chunks"] = list(hasher.chunks)
     manifest.pop("self_digest")
     manifest.pop("signature", None)
@@ -139,3 +139,52 @@ def test_short_keys_are_refused_and_never_shown():
     with pytest.raises(ts.TrainStateError, match="at least 16 bytes"):
         SigningKey("short")
     assert KEY not in repr(SigningKey(KEY))
+
+
+def test_a_signed_run_digests_with_blake3_and_an_unsigned_one_with_xxh3(tmp_path, monkeypatch):
+    """The default digest follows the key: a signature stands only on a collision-resistant hash."""
+    _signed_run(tmp_path / "signed", updates=(1,))
+    state = build()
+    step(state)
+    with ts.CheckpointManager(tmp_path / "plain") as ckpt:
+        ckpt.save(state)
+    key_file = tmp_path / "secret.key"
+    key_file.write_text(KEY)
+    monkeypatch.setenv("TRAINSTATE_SIGNING_KEY_FILE", str(key_file))
+    with ts.CheckpointManager(tmp_path / "env") as ckpt:
+        ckpt.save(state)
+    algorithm = {name: json.loads((tmp_path / name / "gen-000000000001" / "manifest.json").read_text())[
+        "digest_algorithm"] for name in ("signed", "plain", "env")}
+    assert algorithm == {"signed": "blake3-chunked", "plain": "xxh3-chunked", "env": "blake3-chunked"}
+
+
+def test_signing_over_a_non_cryptographic_digest_is_refused(tmp_path):
+    from trainstate.storage.local import LocalStore
+
+    with pytest.raises(ts.InvalidArgument, match="cannot back a signature"):
+        ts.CheckpointManager(tmp_path / "a", digest="xxh3-chunked", signing_key=KEY)
+    with pytest.raises(ts.InvalidArgument, match="cannot back a signature"):
+        ts.CheckpointManager(tmp_path / "b", store=LocalStore(tmp_path / "b", "xxh3-chunked"), signing_key=KEY)
+    ts.CheckpointManager(tmp_path / "c", digest="blake3", signing_key=KEY).close()  # the control: a cryptographic one
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3-chunked", "blake3-chunked"])
+def test_a_reader_with_a_key_refuses_a_signature_over_xxh3_digests(algorithm):
+    """A valid signature over digests anyone can match authenticates nothing: refused whatever signed it
+    (trainstate never writes one). The control: the same manifest over BLAKE3 digests is accepted."""
+    from trainstate.format.digest import CHUNK_BYTES, chunk_digest, chunked_top
+    from trainstate.format.manifest import parse_manifest
+    from trainstate.format.signing import SigningKey
+
+    chunks = (chunk_digest(b"x" * 10, algorithm),)
+    manifest = Manifest("gen-000000000001", "full", 1, algorithm,
+                        (FileRecord("state.json", 10, chunked_top(10, chunks, algorithm), chunks),),
+                        "2026-01-01T00:00:00.000000+00:00", "ef" * 32, {"torch": "x"}, None)
+    data = manifest.to_bytes(SigningKey(KEY))
+    assert CHUNK_BYTES > 10
+    if algorithm == "blake3-chunked":
+        assert parse_manifest(data, "m", SigningKey(KEY)).digest_algorithm == algorithm
+        return
+    parse_manifest(data, "m")  # without a key: a digest, for corruption, as documented
+    with pytest.raises(ts.CorruptGeneration, match="do not authenticate"):
+        parse_manifest(data, "m", SigningKey(KEY))

@@ -26,7 +26,8 @@ from .progress import log_rate
 from .errors import InvalidArgument, NoValidGeneration, ReadOnlyDirectory, Rejection
 from .format import signing
 from .format.manifest import parse_generation_name
-from .format.signing import SigningKey
+from .format.digest import default_algorithm
+from .format.signing import SigningKey, check_signable
 from .lifecycle import cadence as cadence_mod
 from .lifecycle.compute import Compute
 from .lifecycle import done as done_mod
@@ -67,15 +68,12 @@ class CheckpointManager:
 
     Retention: ``keep_last`` full generations (the run's recorded policy
     when reopened), or ``retention=Retention(...)`` with milestones, a best
-    by metric and a weights-only count; pins (:meth:`pin`). ``digest``:
-    ``"blake3-chunked"`` (per-chunk digests: restore verifies on every core),
-    ``"blake3"`` or ``"sha256"``. ``verify`` after the rename: ``"fast"``
-    (manifest digest, file set, sizes; every byte was already read back
-    during its fsync) or ``"full"`` (re-hash everything). ``rehearse``: a
-    function returning a fresh :class:`TrainState`, restored into before each
-    new full generation's pointer moves. ``signing_key`` (or
-    ``TRAINSTATE_SIGNING_KEY[_FILE]``): HMAC-SHA256 of manifests and
-    pointers. ``preflight``/``headroom``: refuse before staging when the disk
+    by metric and a weights-only count; pins (:meth:`pin`). ``digest``: per 4 MiB chunk (restore verifies on
+    every core), ``"xxh3-chunked"`` or, signed, ``"blake3-chunked"`` by default; ``"blake3"``, ``"sha256"``:
+    per file. ``verify`` after the rename: ``"fast"`` (manifest digest, file set, sizes; every byte was
+    already read back during its fsync) or ``"full"`` (re-hash everything). ``rehearse``: a function
+    returning a fresh :class:`TrainState`, restored into before each new full generation's pointer moves.
+    ``signing_key`` (or ``TRAINSTATE_SIGNING_KEY[_FILE]``): HMAC-SHA256 of manifests and pointers. ``preflight``/``headroom``: refuse before staging when the disk
     is short. ``cadence=Cadence(mtbf_s=...)``: :meth:`due` picks the interval.
     Under ``torch.distributed`` (an initialized default group, or
     ``process_group=``) every method is collective and the generation is
@@ -95,7 +93,7 @@ class CheckpointManager:
     every N-th whole; ``None`` writes every generation whole (docs/guides/incremental.md)."""
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
-                 digest: str = "blake3-chunked", verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
+                 digest: str | None = None, verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
                  store: Store | None = None, rehearse: Factory | None = None, preflight: bool = True,
                  headroom: float = 0.05, cadence: Cadence | None = None, max_in_flight: int = 1,
                  process_group: Any = None, collective_timeout_s: float = 600.0,
@@ -106,10 +104,12 @@ class CheckpointManager:
                  mirror_every: int = 1, full_every: int | None = publish.DEFAULT_FULL_EVERY):
         runs.check_policy(keep_last, retention)
         publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
-        self.store: Store = store if store is not None else open_store(directory, digest,
-                                                                       storage_options=storage_options)
-        self.store.defer_removals()  # pruned files are deleted off the save path
         self.key = signing.resolve(signing_key, directory)
+        self.store: Store = store if store is not None else open_store(
+            directory, default_algorithm(self.key is not None) if digest is None else digest,
+            storage_options=storage_options)
+        check_signable(self.store.digest_algorithm, self.key)
+        self.store.defer_removals()  # pruned files are deleted off the save path
         self.rehearse_factory = rehearse
         self.cadence = cadence
         self.lifecycle = Lifecycle(self.store, self.key)

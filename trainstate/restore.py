@@ -37,7 +37,7 @@ from typing import Any
 
 from .errors import (CorruptGeneration, NoValidGeneration, PointerRollback, Rejection, StateMismatch,
                      WeightsOnlyGeneration)
-from .format.digest import CHUNKED
+from .format.digest import is_chunked
 from .format.manifest import (POINTER, RUN, STATE, Manifest, Pointer, generation_order, parse_generation_name,
                               parse_pointer, parse_run)
 from .format.signing import SigningKey
@@ -375,7 +375,7 @@ def load(store: Store, key: SigningKey | None, name: str, pointer: Pointer | Non
         raise StateMismatch(
             f"{name} was written by {manifest.world_size} ranks (torch.distributed): restore it under torchrun, "
             "where the manager runs collectively (a different world size needs allow_changes=['world_size'])")
-    if manifest.digest_algorithm == CHUNKED and preview is not False:
+    if is_chunked(manifest.digest_algorithm) and preview is not False:
         return verified, preview_headers(store, manifest), "stream"
     if preview is None:  # a second pass over an object store would download everything again
         preview = (not getattr(store, "remote", False)

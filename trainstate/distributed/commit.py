@@ -294,7 +294,7 @@ def verify_share(store: Any, manifest: Manifest, ranks: Ranks, skip: set[str] = 
         where = f"{manifest.generation}/{record.name}"
         try:
             with store.open(manifest.generation, record.name) as stream:
-                if record.chunks:  # blake3-chunked: every chunk checked on its own, on every core
+                if record.chunks:  # a chunked digest: every chunk checked on its own, on every core
                     chunked.verify_file(stream, record, where, manifest.digest_algorithm)
                     continue
                 size, digest = digest_stream(stream, manifest.digest_algorithm, record.size)

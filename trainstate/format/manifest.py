@@ -31,7 +31,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from .digest import ALGORITHMS, CHUNKED, chunk_count, chunked_top, digest_bytes
+from .digest import ALGORITHMS, CRYPTOGRAPHIC, chunk_count, chunk_hex_length, chunked_top, digest_bytes, is_chunked
 from ..errors import CorruptGeneration, InvalidArgument
 from .signing import SigningKey
 from .strictjson import loads
@@ -259,6 +259,9 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         raise CorruptGeneration(where, "content does not match its self-digest (the manifest was altered)")
     if key is not None:
         key.check(raw, raw.get("signature"), where)
+        if raw["digest_algorithm"] not in CRYPTOGRAPHIC:  # a valid signature over digests anyone can match
+            raise CorruptGeneration(where, f"signed over {raw['digest_algorithm']} digests, which do not authenticate "
+                                           "file contents (trainstate signs only over blake3-chunked, blake3 or sha256)")
     if parse_generation_name(raw["generation"]) != (raw["next_update"], raw["kind"]):
         raise CorruptGeneration(where, f"generation name {raw['generation']!r:.60} disagrees with its update/kind")
     files = []
@@ -271,7 +274,7 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
         if item["size"] < 0:
             raise CorruptGeneration(where, f"negative size for {item['name']!r:.60}")
         files.append(FileRecord(item["name"], item["size"], item["digest"],
-                                _chunks(where, item, raw["digest_algorithm"] == CHUNKED)))
+                                _chunks(where, item, raw["digest_algorithm"])))
     if len({f.name for f in files}) != len(files) or STATE not in {f.name for f in files}:
         raise CorruptGeneration(where, f"file list must be unique and include {STATE}")
     _check_ranks(where, raw, {f.name for f in files})
@@ -281,18 +284,18 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
     return Manifest(**{**raw, "files": tuple(files)})
 
 
-def _chunks(where: str, item: dict, chunked: bool) -> tuple[str, ...]:
-    """A file record's chunk digests: present exactly under ``blake3-chunked``, one per chunk, and
+def _chunks(where: str, item: dict, algorithm: str) -> tuple[str, ...]:
+    """A file record's chunk digests: present exactly under a chunked algorithm, one per chunk, and
     combining into the file's digest (so a reader may trust each one on its own)."""
     chunks = item.get("chunks")
-    if not chunked:
+    if not is_chunked(algorithm):
         if chunks is not None:
             raise CorruptGeneration(where, f"{item['name']!r:.60} lists chunk digests under a whole-file digest")
         return ()
     if chunks is None or len(chunks) != chunk_count(item["size"]) or not all(
-            type(c) is str and _HEX_RE.fullmatch(c) and len(c) == 64 for c in chunks):
+            type(c) is str and _HEX_RE.fullmatch(c) and len(c) == chunk_hex_length(algorithm) for c in chunks):
         raise CorruptGeneration(where, f"malformed chunk digests for {item['name']!r:.60}")
-    if chunked_top(item["size"], chunks) != item["digest"]:
+    if chunked_top(item["size"], chunks, algorithm) != item["digest"]:
         raise CorruptGeneration(where, f"the chunk digests of {item['name']!r:.60} do not combine into its digest")
     return tuple(chunks)
 

@@ -21,7 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import CorruptGeneration, TrainStateError
+from ..errors import CorruptGeneration, InvalidArgument, TrainStateError
+from .digest import CRYPTOGRAPHIC
 
 ENV_KEY = "TRAINSTATE_SIGNING_KEY"
 ENV_KEY_FILE = "TRAINSTATE_SIGNING_KEY_FILE"
@@ -76,3 +77,12 @@ def resolve(key: SigningKey | bytes | str | None, run_directory: str | Path | No
         return SigningKey(key_path.read_bytes().strip())
     except OSError as exc:
         raise TrainStateError(f"cannot read the signing key file {path}: {exc.strerror}") from None
+
+
+def check_signable(algorithm: str, key: SigningKey | None) -> None:
+    """A signature authenticates file contents only through a collision-resistant digest."""
+    if key is not None and algorithm not in CRYPTOGRAPHIC:
+        raise InvalidArgument(
+            f"digest {algorithm!r} cannot back a signature: it detects corruption, but whoever can write the files "
+            "can match it on purpose. Use digest='blake3-chunked' (the default when a signing key is set; a store "
+            "passed as store= names its own: LocalStore(path, 'blake3-chunked')), or save without a key")

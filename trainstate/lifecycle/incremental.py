@@ -126,6 +126,10 @@ def parent_of(store: Store, key: SigningKey | None, parent: str | None, full_eve
     else:
         manifest = _manifest(store, key, parent)
         chain = depth(store, key, manifest, full_every) if manifest is not None else 0
+    if manifest is not None and manifest.digest_algorithm != store.digest_algorithm:
+        log.info("writing every tensor file: the parent %s digests with %s, this run with %s", parent,
+                 manifest.digest_algorithm, store.digest_algorithm)  # a linked file keeps its own digests
+        manifest = None
     if manifest is not None and not manifest.fingerprints:
         manifest = None
     return manifest, chain, manifest is not None and chain + 1 < full_every
@@ -195,7 +199,7 @@ def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int,
     """Whether ``manifest``'s local file still holds what was recorded, before a save links it: a file damaged
     since it was written would otherwise pass its damage on to a generation whose state was whole in memory.
 
-    Under ``blake3-chunked`` the header's chunk is checked against its digest and every tensor's bytes against
+    Under a chunked digest the header's chunk is checked against its digest and every tensor's bytes against
     its XXH3 fingerprint (memory speed, from the page cache); under a whole-file digest, the whole file.
     ``checked``: files this process already found intact, by device and inode, with their size and
     modification time then: a file checked once is not read again until one of them moves (a write moves the

@@ -127,7 +127,7 @@ def _chunk_span(record: FileRecord, index: int) -> tuple[int, int]:
 
 
 def _check(record: FileRecord, index: int, data: memoryview | np.ndarray, where: str, algorithm: str) -> None:
-    if chunk_digest(data) != record.chunks[index]:
+    if chunk_digest(data, algorithm) != record.chunks[index]:
         lo, hi = _chunk_span(record, index)
         raise CorruptGeneration(where, f"{algorithm} digest mismatch in chunk {index} (bytes {lo}-{hi}; content "
                                        "changed)")

@@ -34,7 +34,7 @@ from typing import BinaryIO
 
 from ..errors import (CorruptGeneration, DirectoryLocked, GenerationExists, ReadOnlyDirectory, RunDirectoryGone,
                       TrainStateError)
-from ..format.digest import Hasher, digest_stream, new_hasher
+from ..format.digest import FAST_CHUNKED, Hasher, digest_stream, new_hasher
 from ..format.manifest import FileRecord, newest_first
 from .deleter import BackgroundDeleter
 from .posix import PosixOps, _fsync_beside, _hash_while_writing, _write_all, coalesce, open_regular
@@ -191,7 +191,7 @@ class LocalStaging:
 class LocalStore:
     """Generations as directories on one local POSIX filesystem."""
 
-    def __init__(self, root: str | Path, digest_algorithm: str = "blake3-chunked", *, create: bool = True,
+    def __init__(self, root: str | Path, digest_algorithm: str = FAST_CHUNKED, *, create: bool = True,
                  ops: PosixOps | None = None):
         self.root = Path(root)
         self.ops = ops if ops is not None else PosixOps()

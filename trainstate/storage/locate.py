@@ -7,11 +7,12 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from .base import Store
+from ..format.digest import FAST_CHUNKED
 from .local import LocalStore
 from .objectclient import is_url
 
 
-def open_store(location: str | Path, digest: str = "blake3-chunked", *, storage_options: dict[str, Any] | None = None,
+def open_store(location: str | Path, digest: str = FAST_CHUNKED, *, storage_options: dict[str, Any] | None = None,
                create: bool = True) -> Store:
     """The store for ``location``; ``storage_options`` (endpoint, region, keys, ...) apply to URLs only."""
     if is_url(str(location)):

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
 from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, RunDirectoryGone, TrainStateError
-from ..format.digest import new_hasher
+from ..format.digest import FAST_CHUNKED, new_hasher
 from ..format.manifest import MANIFEST, MAX_JSON_BYTES, POINTER, WEIGHTS_POINTER, FileRecord, newest_first
 from .objectclient import Client, Missing, Precondition, Taken
 from .multipart import OpenUploads
@@ -177,7 +177,7 @@ class ObjectStore:
 
     remote = True  # every read is a download: restore reads each byte once (no second, in-place pass)
 
-    def __init__(self, url: str, digest_algorithm: str = "blake3-chunked", *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, url: str, digest_algorithm: str = FAST_CHUNKED, *, storage_options: dict[str, Any] | None = None,
                  lease_s: float = 60.0, client: Client | None = None):
         self.location = url.rstrip("/")
         self.digest_algorithm = digest_algorithm

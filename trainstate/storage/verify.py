@@ -18,7 +18,7 @@ import torch
 
 from ..format import tensorfile
 from ..format.codec import decode
-from ..format.digest import CHUNKED, digest_bytes, digest_stream, new_hasher
+from ..format.digest import digest_bytes, digest_stream, is_chunked, new_hasher
 from ..errors import CorruptGeneration
 from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer,
                                check_version, load_json, parse_manifest, parse_pointer)
@@ -140,7 +140,7 @@ def _verify_generation(store: Store, generation: str, pointer: Pointer | None, *
             where = f"{generation}/{record.name}"
             try:
                 with store.open(generation, record.name) as stream:
-                    if record.chunks:  # blake3-chunked: every chunk checked on its own, on every core
+                    if record.chunks:  # a chunked digest: every chunk checked on its own, on every core
                         chunked.verify_file(stream, record, where, manifest.digest_algorithm, on_bytes=on_bytes)
                         continue
                     got_size, got = digest_stream(stream, manifest.digest_algorithm, record.size)
@@ -414,7 +414,7 @@ def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[s
                       progress: chunked.Progress | None = None, on_bytes: OnBytes | None = None) -> None:
     """Read and digest one tensor file; with ``preview``, large tensors become meta placeholders
     (checked for shape and dtype only); with ``into``, matching tensors are read straight into those."""
-    if manifest.digest_algorithm == CHUNKED:  # every chunk verified on its own, on every core
+    if is_chunked(manifest.digest_algorithm):  # every chunk verified on its own, on every core
         chunked.read_file(store, manifest, name, wanted, tensors, preview=preview, preview_bytes=PREVIEW_BYTES,
                           into=into, progress=progress, on_bytes=on_bytes)
         return
