@@ -86,15 +86,15 @@ def restore(state: TrainState, ranks: Ranks, store: Any, key: Any, *, generation
     with untouched_unless_loaded(state) as loading:
         try:
             while True:
+                templates = _templates(state) if remote else None
                 with telling_unusable(state, failed, held.location):
-                    chosen, rejected = _choose(held, ranks, key, generation, _templates(state) if remote else None,
-                                               failed, one_pass)
+                    chosen, rejected = _choose(held, ranks, key, generation, templates, failed, one_pass)
                 rejected = tuple(failed) + rejected
                 if chosen is None:
                     return None, rejected
                 loading()
                 try:
-                    return _load(state, chosen, rejected, held, ranks, allow, statistical_cuda), rejected
+                    return _load(state, chosen, rejected, held, ranks, allow, statistical_cuda, templates), rejected
                 except Damaged as exc:
                     _loaded_damage(state, chosen[0].manifest.generation, exc, failed)
                     if generation is not None:
@@ -250,7 +250,9 @@ def check_whole(store: Any, manifest: Any, key: Any = None) -> dict:
 
 
 def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held: HeldFiles, ranks: Ranks,
-          allow: list[str], statistical_cuda: bool) -> RestoreInfo:
+          allow: list[str], statistical_cuda: bool, templates: dict | None = None) -> RestoreInfo:
+    """Check, load and apply the chosen generation. ``templates``: the live state's DCP view as planning built it
+    (:func:`_templates`: the same tensors), else built here."""
     verified, parts = chosen
     manifest = verified.manifest
     name = manifest.generation
@@ -272,7 +274,7 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     except TrainStateError as exc:
         error = exc
     ranks.check("check", error)  # every check passed on every rank before any live object changes
-    templates, _ = sharded_state(state)
+    templates = templates if templates is not None else sharded_state(state)[0]
     progress = Progress()
     reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files},
                     manifest if parts.get("verify_shards") else None, progress)  # else verified already

@@ -87,31 +87,42 @@ def _chunk_size(manifest: Any, name: str, index: int) -> int:
 
 
 def _share(fetched: Fetched, manifest: Any, ranks: Ranks, source: int, served: Wanted, asks: list[dict]) -> str:
-    """``source`` broadcasts the chunks it downloaded that another rank wants; the others keep theirs, verified."""
+    """``source`` broadcasts the chunks it downloaded that another rank wants, one broadcast per chunk straight
+    from the memory it verified them in (no copy); the others keep theirs, each verified as it arrives while the
+    next ones are still in flight."""
     wanted_by_others = [(name, index) for name, chunks in sorted(served.items()) for index in chunks
                         if any(index in a["wanted"].get(name, ()) for r, a in enumerate(asks) if r != source)]
     if not wanted_by_others:
         return ""
     sizes = [_chunk_size(manifest, name, index) for name, index in wanted_by_others]
-    with collective("fetch", ranks):
-        if ranks.rank == source:
-            buffer = torch.frombuffer(bytearray(b"".join(fetched.chunk(manifest, n, i) for n, i in wanted_by_others)),
-                                      dtype=torch.uint8)
-        else:
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        dist.broadcast(buffer, src=_global_rank(ranks.group, source), group=ranks.group)
-    if ranks.rank == source:
-        return ""
+    sending = ranks.rank == source
     mine = asks[ranks.rank]["wanted"]
-    view, offset, problem = memoryview(buffer.numpy()), 0, ""
-    for (name, index), size in zip(wanted_by_others, sizes):
-        if index in mine.get(name, ()):
+    problem = ""
+    with collective("fetch", ranks):
+        buffers = [chunk_tensor(fetched.chunk(manifest, name, index)) if sending else torch.empty(size, dtype=torch.uint8)
+                   for (name, index), size in zip(wanted_by_others, sizes)]
+        src = _global_rank(ranks.group, source)
+        works = [dist.broadcast(b, src=src, group=ranks.group, async_op=True) if size else None
+                 for b, size in zip(buffers, sizes)]
+        for (name, index), buffer, work in zip(wanted_by_others, buffers, works):
+            if work is not None:
+                work.wait()
+            if sending or index not in mine.get(name, ()):
+                continue
             try:
-                fetched.put_chunk(manifest, name, index, view[offset:offset + size])
+                fetched.put_chunk(manifest, name, index, memoryview(buffer.numpy()))
             except CorruptGeneration as exc:
                 problem = problem or f"{exc} (as rank {source} handed it over)"
-        offset += size
     return problem
+
+
+def chunk_tensor(view: memoryview) -> torch.Tensor:
+    """A verified chunk as a tensor over the same memory, for gloo to send (a read-only buffer, such as a
+    download's bytes, copied)."""
+    view = memoryview(view).cast("B")
+    if not len(view):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
 
 
 # what each rank reads, in four rounds -----------------------------------------------------------------------------

@@ -31,7 +31,6 @@ import mmap
 import os
 from typing import Any
 
-import numpy
 import torch
 import torch.distributed as dist
 
@@ -40,6 +39,7 @@ from ..format.digest import CHUNK_BYTES
 from ..format.manifest import MANIFEST
 from ..storage.fetched import Fetched
 from .group import Ranks, _global_rank, collective
+from .share import chunk_tensor
 from .tiers import Tier
 
 log = logging.getLogger("trainstate")
@@ -123,7 +123,7 @@ class Holdings(Fetched):
         end = max((e for _, e in spans), default=0)
         if getattr(store, "remote", False) or not end:
             views = self._store.read_ranges(manifest.generation, name, spans)
-            return {(name, i): _as_tensor(view) for i, view in zip(chunks, views)}
+            return {(name, i): chunk_tensor(view) for i, view in zip(chunks, views)}
         with store.open(manifest.generation, name) as stream:  # mapped, not copied: sent from the page cache
             size = os.fstat(stream.fileno()).st_size
             if size < end:  # (a mapping past the end would fault)
@@ -306,12 +306,4 @@ def _verified(fetched: Fetched, manifest: Any, name: str, index: int) -> torch.T
         chunk = fetched.chunk(manifest, name, index)
     except KeyError:
         return None
-    return _as_tensor(chunk)
-
-
-def _as_tensor(view: memoryview) -> torch.Tensor:
-    if not len(view):
-        return torch.empty(0, dtype=torch.uint8)
-    if view.readonly:
-        return torch.from_numpy(numpy.frombuffer(view, dtype=numpy.uint8).copy())
-    return torch.frombuffer(view, dtype=torch.uint8)
+    return chunk_tensor(chunk)

@@ -102,7 +102,8 @@ def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[A
                 rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))
                 continue
             loading()
-            info = load._load(state, (verified, parts), tuple(rejected), view, ranks, allow, statistical_cuda)
+            info = load._load(state, (verified, parts), tuple(rejected), view, ranks, allow, statistical_cuda,
+                              templates)
             _log_sources(name, info.sources, ranks.rank)
             later = Holdings(tier, manifest, data, view.holders, names)  # what the refill reads, afresh
             later.damaged = set(view.damaged)
