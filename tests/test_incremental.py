@@ -325,12 +325,13 @@ def test_a_same_update_save_after_a_skipped_pass_compares_the_stored_bytes(tmp_p
     assert _equal(_values(fresh), expected)
 
 
-def test_an_incremental_run_written_before_fingerprints_could_be_skipped_continues_bitwise(tmp_path):
+@pytest.mark.parametrize("digest", ["blake3-chunked", None])
+def test_an_incremental_run_written_before_fingerprints_could_be_skipped_continues_bitwise(tmp_path, digest):
     """``tests/golden/incremental-v4-run``: gens 2 and 3 of this file's LoRA-shaped run, written by the code of
     1d7f9d7 (format 4, every tensor fingerprinted; gen 3 links gen 2's part; gen 1 dropped to keep it small). It
-    restores bitwise against a replay of the same steps, and the run continues with its digest (blake3-chunked;
-    today's default for an unsigned run is xxh3-chunked, under which the next save is whole: the test below): the
-    next save links the old part, and it restores bitwise too."""
+    restores bitwise against a replay of the same steps. Continued with its own digest (blake3-chunked) the next
+    save links the old part; continued under today's default (xxh3-chunked for an unsigned run) the next save is
+    whole. Either way it restores bitwise."""
     import shutil
 
     run = tmp_path / "run"
@@ -339,14 +340,18 @@ def test_an_incremental_run_written_before_fingerprints_could_be_skipped_continu
     for _ in range(3):
         _step(replay)
     state = _state(seed=9)
-    with ts.CheckpointManager(run, keep_last=5, digest="blake3-chunked") as ckpt:
+    with ts.CheckpointManager(run, keep_last=5, digest=digest) as ckpt:
         assert ckpt.restore(state).generation.name == "gen-000000000003"
         assert _equal(_values(state), _values(replay))
         _step(state)
         _step(replay)
         info = ckpt.save(state)
     part = next(iter(_manifest(run, "gen-000000000003")["shares"]))
-    assert _manifest(run, info.name)["shares"] == {part: "gen-000000000002"}
+    if digest is None:
+        assert _manifest(run, info.name)["digest_algorithm"] == "xxh3-chunked" and "shares" not in _manifest(
+            run, info.name)
+    else:
+        assert _manifest(run, info.name)["shares"] == {part: "gen-000000000002"}
     fresh = _state(seed=7)
     with ts.CheckpointManager(run) as ckpt:
         assert ckpt.restore(fresh).generation.name == info.name

@@ -22,6 +22,7 @@ reported as statistical.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -310,8 +311,6 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
 
 def _with_sources(info: RestoreInfo, sources: list[dict]) -> RestoreInfo:
     """``info`` with the bytes every rank took from its own node, from peers and from the remote (tiers)."""
-    import dataclasses
-
     total = {where: sum(s[where] for s in sources) for where in ("local", "peer", "remote")}
     return dataclasses.replace(info, sources=total)
 
