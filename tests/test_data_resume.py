@@ -587,6 +587,39 @@ def test_stale_iterator_after_restore():
     assert next(iter(loader)).tolist() == loader.epoch_batches(0)[1].tolist()
 
 
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_dropped_or_closed_loader_stops_its_workers_at_once(persistent):
+    """Workers end when the last reference to the loader goes (no reference cycle left for gc to find, which
+    stops a cycle's workers only after a 5 s timeout each), and at close(); the control keeps a reference."""
+    import gc
+    gc.collect()
+    gc.disable()
+    try:
+        loader = ts.ResumableLoader(Ids(22), 4, seed=SEED, num_workers=2, persistent_workers=persistent)
+        it = iter(loader)
+        next(it)
+        pids = [w.pid for w in loader._live()._workers]
+        kept = loader  # control: a live reference keeps the workers
+        del loader
+        assert len(_alive(pids)) == 2, "the control must see live workers"
+        kept.close()
+        assert _alive(pids) == [], "close() must stop the workers"
+        with pytest.raises(RuntimeError, match="stale"):
+            next(it)
+        it = iter(kept)
+        assert next(it).tolist() == kept.epoch_batches(0)[1].tolist()  # new workers, same position
+        pids = [w.pid for w in kept._live()._workers]
+        assert len(_alive(pids)) == 2
+        del kept, it
+        assert _alive(pids) == [], "the loader's last reference went but its workers live on (a reference cycle?)"
+    finally:
+        gc.enable()
+
+
 class NoLen(Dataset):
     def __getitem__(self, index: int) -> int:
         return int(index)

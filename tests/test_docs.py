@@ -93,6 +93,7 @@ def test_data_position_example_resumes_bitwise(tmp_path, monkeypatch):
     def run(directory: str, total: int) -> dict:
         ns = namespace(directory, total)
         exec(example.replace('"runs/exp2"', repr(directory)), ns)
+        ns["loader"].close()  # ns is a reference cycle (its functions' globals): stop the workers now, not in gc
         return ns
 
     straight = run("straight", 300)

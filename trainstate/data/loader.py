@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -167,12 +168,11 @@ class ResumableLoader:
         self._resumed_mid_stream = False
         self._warnings: list[str] = []  # what continues only statistically since the last restore
         self._warned_draws = False
-        self._active: object | None = None
+        self._active, self._live = None, None  # the newest iterator's token; its DataLoader iterator (weak)
         self._cache: tuple[tuple, Sequence[np.ndarray]] | None = None
         self._sampler = _EpochBatches()
         self._taken = 0  # batches of this epoch handed out by the latest iterator and not yet saved
         self.dataset = dataset  # the caller's, as DataLoader.dataset; workers see a wrapper
-        self.sampler = EpochSampler(self)
         workers = loader_kwargs.get("num_workers", 0)
         self._flag = None
         if workers:
@@ -198,6 +198,15 @@ class ResumableLoader:
     batch_size = property(lambda self: self.plan.batch_size, doc="Samples per batch on this rank, as DataLoader's.")
     drop_last = property(lambda self: self.plan.drop_last, doc="Whether an incomplete last batch is dropped.")
     num_workers = property(lambda self: self.loader.num_workers, doc="The DataLoader's worker processes.")
+    # Made per access: a stored one would put the loader in a cycle, and gc frees a cycle's workers seconds late.
+    sampler = property(EpochSampler, doc="What a DistributedSampler answers, from the loader (``set_epoch``, ...).")
+
+    def close(self) -> None:
+        """Stop the DataLoader's worker processes now (persistent ones too); a later ``iter()`` starts new ones."""
+        iterators = {id(i): i for i in (self.loader._iterator, self._live and self._live()) if i is not None}
+        self.loader._iterator, self._live, self._active = None, None, None  # an older iterator is stale from now
+        for iterator in iterators.values():
+            getattr(iterator, "_shutdown_workers", lambda: None)()
 
     def __iter__(self) -> Iterator[Any]:
         if self._taken:
@@ -209,7 +218,9 @@ class ResumableLoader:
         # Worker seeds (and a num_workers=0 loader's base seed) come from this
         # generator, not from torch's global one, which the training step owns.
         self.loader.generator = torch.Generator().manual_seed(derive("workers", self.plan.seed, epoch) >> 1)
-        return self._consume(token, epoch, batches, iter(self.loader))
+        it = iter(self.loader)
+        self._live = weakref.ref(it)  # for close(); a weak one, so a dropped iteration still ends its workers
+        return self._consume(token, epoch, batches, it)
 
     def _consume(self, token: object, epoch: int, batches: list[np.ndarray], it: Iterator[Any]) -> Iterator[Any]:
         while True:
