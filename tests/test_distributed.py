@@ -8,6 +8,7 @@ size 2, restored at 1 (and saved there), restored at 2.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distlaunch import launch
 
@@ -205,3 +206,29 @@ def test_a_background_failure_surfaces_at_the_next_call(runs, where):
     for result in runs["two"].ok("background"):
         assert result["surfaced"][where] == "AsyncSaveFailed from CheckpointFailed" or \
             result["surfaced"][where].startswith("AsyncSaveFailed"), result
+
+
+class _Extra(torch.nn.Linear):
+    def get_extra_state(self):
+        return {"note": 1}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_in_place_detection_accepts_only_the_modules_own_tensors_whole():
+    """The multi-rank load skips set_model_state_dict only where DCP wrote the live tensors themselves: a copy, a
+    narrower view or a non-tensor entry (extra state) sends it through set_model_state_dict (the control: each
+    of those would otherwise leave the module unloaded, which the bitwise round trips above would catch)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from trainstate.distributed.capture import loaded_in_place
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    assert loaded_in_place(module, get_model_state_dict(module))
+    for change in (lambda t: t.clone(), lambda t: t[:1], lambda t: t.to(torch.float64)):
+        loaded = get_model_state_dict(module)
+        loaded["0.weight"] = change(loaded["0.weight"])
+        assert not loaded_in_place(module, loaded)
+    extra = _Extra(2, 2)
+    assert "_extra_state" in get_model_state_dict(extra)
+    assert not loaded_in_place(extra, get_model_state_dict(extra))

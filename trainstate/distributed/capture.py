@@ -18,6 +18,7 @@ Three parts:
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,18 @@ def sharded_state(state: TrainState, *, weights_only: bool = False) -> tuple[dic
             dcp[name] = get_optimizer_state_dict(modules[owner], state.components[name])
             described[name] = {"type": _type_name(state.components[name]), "kind": "optimizer", "owner": owner}
     return dcp, described
+
+
+def loaded_in_place(module: torch.nn.Module, loaded: dict[str, Any]) -> bool:
+    """Whether every tensor of ``loaded`` (the module's state dict that DCP loaded into) is one of the module's
+    own parameters or buffers, whole: then the load already wrote the live tensors, and ``set_model_state_dict``
+    would only copy each onto itself (through DTensor's dispatch, milliseconds per restore)."""
+    def where(tensor: torch.Tensor) -> tuple:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
+        return local.device, local.dtype, local.data_ptr(), tuple(local.shape), tuple(local.stride())
+
+    live = {where(t) for t in itertools.chain(module.parameters(), module.buffers())}
+    return all(isinstance(v, torch.Tensor) and where(v) in live for v in loaded.values())
 
 
 def contract_fields(state: TrainState, world_size: int) -> dict[str, Any]:

@@ -9,7 +9,8 @@
 2. **check**, before any live object changes: the contract (with the world
    size), the components, the RNG records; all ranks agree.
 3. **load**: the sharded part through DCP (reading the held files, so what
-   loads is what was verified), then ``set_model_state_dict`` /
+   loads is what was verified: in place, into the live tensors where the state dict holds them), then
+   ``set_model_state_dict`` (for a module only where the load did not write its tensors in place) /
    ``set_optimizer_state_dict``; then everything else, RNG last.
 
 At another world size (``allow_changes=["world_size"]``) the model and
@@ -44,7 +45,7 @@ from ..state.train_state import TrainState
 from ..storage.chunked import Progress
 from ..storage.fetched import Fetched
 from ..storage.verify import decode_verified, read_json_file, read_tensors, verify_generation
-from .capture import contract_fields, sharded_state
+from .capture import contract_fields, loaded_in_place, sharded_state
 from .commit import rank_json, rank_tensors, verify_share
 from .group import Ranks
 from .planner import LoadPlanner
@@ -284,7 +285,8 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     def apply() -> None:
         for component, described in sharded["components"].items():
             if described["kind"] == "module":
-                set_model_state_dict(state.components[component], templates[component])
+                if not loaded_in_place(state.components[component], templates[component]):
+                    set_model_state_dict(state.components[component], templates[component])
             else:
                 set_optimizer_state_dict(state.components[described["owner"]], state.components[component],
                                          templates[component])
