@@ -186,12 +186,17 @@ def _encode_key(key: object, path: str) -> Any:
 _NO_TENSORS = TensorTable()  # for scalars, which never add one
 
 
+_SCALARS = frozenset((type(None), bool, str, int, float))  # JSON values that decode as themselves
+
+
 def decode(data: Any, path: str, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Rebuild a value from its skeleton; ``tensors`` maps names to loaded tensors."""
     t = type(data)
     if data is None or t in (bool, str, int, float):
         return data
     if t is list:
+        if _SCALARS.issuperset(map(type, data)):  # an RNG's state words, say: no per-item path to build
+            return data[:]
         return [decode(v, f"{path}[{i}]", tensors) for i, v in enumerate(data)]
     if t is not dict:
         raise CorruptGeneration(path, f"unexpected JSON value of type {t.__name__}")
@@ -212,7 +217,10 @@ def _decode_tag(tag: str, inner: Any, path: str, tensors: Mapping[str, torch.Ten
         if tag in ("$int", "$float"):
             return _decode_number(tag, inner)
         if tag == "$tuple":
-            return tuple(decode(v, f"{path}[{i}]", tensors) for i, v in enumerate(_need(inner, list)))
+            items = _need(inner, list)
+            if _SCALARS.issuperset(map(type, items)):
+                return tuple(items)
+            return tuple(decode(v, f"{path}[{i}]", tensors) for i, v in enumerate(items))
         if tag == "$map":
             return _decode_map(_need(inner, list), path, tensors)
         if tag == "$odict":

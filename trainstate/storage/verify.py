@@ -450,6 +450,9 @@ def _read_tensor_file(store: Store, manifest: Manifest, name: str, wanted: set[s
         on_bytes(record.size)
 
 
+_SCALARS = frozenset((type(None), bool, str, int, float))
+
+
 def referenced_tensors(skeleton: Any) -> list[str]:
     """Names of every tensor a skeleton references, in order."""
     out: list[str] = []
@@ -457,7 +460,8 @@ def referenced_tensors(skeleton: Any) -> list[str]:
     while stack:
         node = stack.pop()
         if type(node) is list:
-            stack.extend(node)
+            if not _SCALARS.issuperset(map(type, node)):  # (a list of scalars, an RNG's state words, has none)
+                stack.extend(node)
         elif type(node) is dict:
             if len(node) == 1 and ("$t" in node or "$nd" in node):
                 ref = node.get("$t", node.get("$nd"))
