@@ -95,6 +95,9 @@ def test_two_nodes_resume_from_own_disk_from_a_replica_past_a_flipped_bit_and_af
     assert any(r["full_differs"] for r in control), "the control (chunks unchecked) should load the flipped bit"
     repaired = _resumed(launched, "tier_resume", 4)
     assert repaired[0]["generation"] == GEN and repaired[0]["sources"]["peer"] > 0
+    # its node read it straight from disk as DCP loaded it, found the flipped bit there, and every rank ran the
+    # generation again through the fetch rounds, which took the replica
+    assert any("reading it again through the nodes' copies" in w for r in repaired for w in r["warnings"]), repaired
     assert any(p.name.startswith(f"{GEN}.rejected") for p in dirs[node].iterdir()), "the damaged copy is kept aside"
 
     # a node lost (its directory gone, back empty): its shards come from the replicas, then it is refilled

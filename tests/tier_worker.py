@@ -21,6 +21,7 @@ label for this node, optional), ``TS_WAIT_REPLICAS`` ("1": save waits),
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -93,6 +94,8 @@ def _resume(out: Path, control: bool = False) -> dict:
     torch.manual_seed(999)  # the global stream is wrong until restore puts it back
     state = dw.build(mode(), seed=42)
     ckpt = tiered()
+    warned = _Collect()
+    logging.getLogger("trainstate").addHandler(warned)
     try:
         try:
             info = ckpt.restore(state)
@@ -100,6 +103,7 @@ def _resume(out: Path, control: bool = False) -> dict:
             return {"raised": type(exc).__name__, "message": str(exc)}
         after = _status(ckpt)
     finally:
+        logging.getLogger("trainstate").removeHandler(warned)
         try:
             ckpt.close()
         except ts.AsyncSaveFailed:  # the control's refill checks what it writes: the unchecked bytes fail there
@@ -111,7 +115,19 @@ def _resume(out: Path, control: bool = False) -> dict:
     return {"generation": info.generation.name, "sources": info.sources,
             "rejected": [[r.generation, r.reason] for r in info.rejected],
             "full_differs": dw.same(dw.full_state(state), want_full),
-            "rank_differs": dw.same(dw.rank_state(state), want_rank), "tiers": after, "node_dir": str(node_dir())}
+            "rank_differs": dw.same(dw.rank_state(state), want_rank), "tiers": after, "node_dir": str(node_dir()),
+            "warnings": warned.messages}
+
+
+class _Collect(logging.Handler):
+    """The library's warnings during one restore (what it passed over, and why)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 @scenario
@@ -275,15 +291,16 @@ def tier_reshard(out: Path) -> dict:
 
 @scenario
 def tier_resume_unverified(out: Path) -> dict:
-    """The control: a chunk from any node's disk is taken without checking its digest (and nothing is repaired)."""
-    from trainstate.storage import fetched
+    """The control: a chunk from any node's disk is taken without checking its digest (and nothing is repaired),
+    fetched in a round or read straight from the disk as DCP loads it."""
+    from trainstate.storage import chunked, fetched
 
-    checked = fetched._check
-    fetched._check = lambda *args: None
+    checks = fetched._check, chunked._check
+    fetched._check = chunked._check = lambda *args: None
     try:
         return _resume(out, control=True)
     finally:
-        fetched._check = checked
+        fetched._check, chunked._check = checks
 
 
 if __name__ == "__main__":

@@ -215,7 +215,9 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
     if not problem:
         try:
             parts = _read(held, verified.manifest, ranks)
-            parts["verify_shards"] = one_pass and not isinstance(held, Fetched)  # as DCP loads them
+            # as DCP loads them: every shard of held files; of a tiered view, those its node's disk serves directly
+            parts["verify_shards"] = frozenset(held.direct) if isinstance(held, Fetched) and getattr(
+                held, "direct", None) else one_pass and not isinstance(held, Fetched)
         except (CorruptGeneration, OSError) as exc:
             problem = f"{exc}"
         except StateMismatch as exc:
@@ -278,8 +280,9 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     ranks.check("check", error)  # every check passed on every rank before any live object changes
     templates = templates if templates is not None else sharded_state(state)[0]
     progress = Progress()
-    reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files},
-                    manifest if parts.get("verify_shards") else None, progress)  # else verified already
+    verify = parts.get("verify_shards")
+    reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files}, manifest if verify else None,
+                    progress, only=verify if isinstance(verify, frozenset) else None)  # the rest verified already
     planned = held.planned if isinstance(held, Fetched) else None
 
     def apply() -> None:

@@ -312,13 +312,24 @@ class Session:
         if self.tier is not None:
             from . import tierload, tiertimes
 
-            started = time.monotonic()
+            started, jobs = time.monotonic(), []
             info, rejected = tierload.restore(state, self.fg, self.tier, manager.key, generation=generation,
                                               allow_changes=allow_changes, statistical_cuda=statistical_cuda,
-                                              refill=lambda job: self._later(manager, "refill", job))
+                                              refill=jobs.append, one_pass=in_place is not False)
+            timed = None
             if info is not None and info.sources is not None and self.tier.topology.is_leader:
-                tiertimes.record(self.tier.own, tiertimes.restore_kind(info.sources), time.monotonic() - started,
-                                 sum(info.sources.values()))
+                timed = (tiertimes.restore_kind(info.sources), time.monotonic() - started, sum(info.sources.values()))
+
+            def later(group: Any) -> None:  # the refill, then the restore's timing (a durable write): off the restore
+                try:
+                    for job in jobs:
+                        job(group)
+                finally:
+                    if timed is not None:
+                        tiertimes.record(self.tier.own, *timed)
+
+            if jobs or timed is not None:
+                self._later(manager, "refill", later)
             return info, rejected
         return load.restore(state, self.fg, manager.store, manager.key, generation=generation,
                             allow_changes=allow_changes, statistical_cuda=statistical_cuda,

@@ -169,11 +169,19 @@ def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates
     held: dict[str, set[str]] = {}  # shard file -> every entry it stores
     for info in metadata.storage_data.values():
         held.setdefault(info["file"], set()).add(info["entry"])
-    # a shard this rank loads every entry of (its own, at the same world size) is wanted whole now, in this round;
+    # a shard this rank loads every entry of (its own, at the same world size) is wanted whole now, in this round
+    # (unless a tiered view's node holds it: then DCP reads it from that disk, verified, tierfetch.loads_direct);
     # of any other, the start of its header, then the header, then the pieces (the next rounds)
-    return {shard: fetched.missing(manifest, shard) if entries >= held.get(shard, set()) else
-            fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))])
-            for shard, entries in needed.items()}
+    direct = getattr(fetched, "loads_direct", lambda *_: False)
+    out = {}
+    for shard, entries in list(needed.items()):
+        if not entries >= held.get(shard, set()):  # (sets: not every entry it stores)
+            out[shard] = fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))])
+        elif direct(manifest, shard):
+            del needed[shard]  # nothing of it is fetched in the rounds that follow
+        else:
+            out[shard] = fetched.missing(manifest, shard)
+    return out
 
 
 def _want_headers(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,

@@ -255,13 +255,15 @@ class Reader(StorageReader):
     chunks into fresh tensors, then copied. A chunk that does not match raises
     :class:`CorruptGeneration`; ``progress.live_changed`` then says whether live
     tensors already hold verified bytes of it. Without ``manifest`` the bytes
-    were verified before (fetched from an object store or from peers).
+    were verified before (fetched from an object store or from peers); with
+    ``only``, just those files are verified here (a tiered restore's shards
+    that its node's disk serves), the rest were.
     """
 
     def __init__(self, store: Any, generation: str, metadata: Metadata, sizes: dict[str, int],
-                 manifest: Any = None, progress: Any = None):
+                 manifest: Any = None, progress: Any = None, only: frozenset[str] | None = None):
         self.store, self.generation, self.metadata, self.sizes = store, generation, metadata, sizes
-        self.manifest, self.progress = manifest, progress
+        self.manifest, self.progress, self.only = manifest, progress, only  # only: the files verified here
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -287,7 +289,8 @@ class Reader(StorageReader):
             by_file.setdefault(info["file"], {}).setdefault(info["entry"], []).append(request)
         for file, entries in by_file.items():
             where = f"{self.generation}/{file}"
-            record = self.manifest.file(file) if self.manifest is not None else None
+            verify = self.manifest is not None and (self.only is None or file in self.only)
+            record = self.manifest.file(file) if verify else None
             if record is not None and record.chunks:
                 self._read_verified(file, record, entries, planner, where)
                 continue

@@ -104,12 +104,27 @@ class _NodeDisk:
 class Holdings(Fetched):
     """One candidate as the nodes (and the remote) hold it; see the module docstring."""
 
-    def __init__(self, tier: Tier, manifest: Any, manifest_bytes: bytes, holders: dict[Any, dict], names: list[str]):
+    def __init__(self, tier: Tier, manifest: Any, manifest_bytes: bytes, holders: dict[Any, dict], names: list[str],
+                 *, direct: bool = False):
         super().__init__(_NodeDisk(tier, manifest, holders, names))
         self._small[(manifest.generation, MANIFEST)] = manifest_bytes
         self.tier, self.holders = tier, holders
         self.loaded = {"local": 0, "peer": 0, "remote": 0}  # bytes read, received, downloaded (sources())
         self.damaged: set[tuple[int, str, str]] = set()  # (node, file, tier) found not to match the manifest
+        self.allow_direct = direct
+        self.direct: set[str] = set()  # shards DCP reads straight from this node's disk, verified as it loads them
+
+    def loads_direct(self, manifest: Any, name: str) -> bool:
+        """Whether this rank loads the shard ``name`` (one it reads whole) straight from its node's disk while DCP
+        loads it, each chunk verified on its way into the live tensors (one pass, as a restore from one disk),
+        rather than into memory in a fetch round first. A damaged copy then fails the load, and the tiered
+        restore runs the candidate again without direct reads (the fetch rounds read past the copy)."""
+        held = self.holders.get(self.tier.topology.node, {}).get(name)
+        if not self.allow_direct or held is None or not manifest.file(name).chunks:
+            return False
+        self.direct.add(name)
+        self.loaded["local"] += manifest.file(name).size
+        return True
 
     def sources(self) -> dict[str, int]:
         """Bytes this rank read from its node's disk, received from another node, downloaded from the remote."""

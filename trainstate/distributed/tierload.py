@@ -18,7 +18,12 @@
    a flipped bit on any node makes that candidate fail on every rank
    together, and the next one is tried.
 4. **load**: exactly the multi-rank restore's checks and load
-   (:func:`.load._load`), from the verified bytes.
+   (:func:`.load._load`), from the verified bytes. A shard a rank loads
+   whole and its own node holds is not fetched in step 3: DCP reads it from
+   that disk in one pass, each chunk verified before it reaches a live
+   tensor (:meth:`.tierfetch.Holdings.loads_direct`). A damaged copy fails
+   the load on every rank; the candidate then runs again with every shard
+   through step 3, which passes over the copy to another holder.
 5. **refill**: a node that lacks its holding of the restored generation (a
    replacement machine with an empty directory), or a replica it must keep,
    gets the files from the other nodes (verified the same way), commits
@@ -37,6 +42,7 @@ from ..format.digest import CHUNK_BYTES
 from ..format.manifest import MANIFEST, POINTER, RUN, generation_order, parse_generation_name, run_to_bytes
 from ..records import RestoreInfo
 from ..state.train_state import TrainState
+from ..state.usable import mark_unusable
 from . import load
 from .group import Ranks
 from .tierfetch import Holdings
@@ -48,11 +54,12 @@ log = logging.getLogger("trainstate")
 
 
 def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation: str | None = None,
-            allow_changes: Iterable[str] = (), statistical_cuda: bool = False, refill: Any = None
-            ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+            allow_changes: Iterable[str] = (), statistical_cuda: bool = False, refill: Any = None,
+            one_pass: bool = True) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     """Every rank calls it; see the module docstring. ``refill``: called with the refill (a function of the ranks
     it runs its collectives on) to run it later, off the restore (the manager's writer thread); by default it runs
-    here, before this returns."""
+    here, before this returns. ``one_pass=False`` (``restore(in_place=False)``): every shard is fetched and
+    verified before anything loads, its node's own ones too."""
     refill = refill if refill is not None else (lambda job: job(ranks))
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     topo = tier.topology
@@ -63,57 +70,76 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     if tier.remote is not None and _needs_remote(held):  # else not one request to the object store
         held["remote"] = ranks.broadcast(_remote_holdings(tier.remote) if ranks.rank == 0 else None, "report")
     with load.untouched_unless_loaded(state) as loading:
-        return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading, refill)
+        return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading, refill,
+                        one_pass)
 
 
 def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[Any, dict], run: str | None,
-             generation: str | None, allow: list[str], statistical_cuda: bool, loading: Any, refill: Any
-             ) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+             generation: str | None, allow: list[str], statistical_cuda: bool, loading: Any, refill: Any,
+             one_pass: bool = True) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     templates = load._templates(state)
     rejected: list[Rejection] = []
     names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
     for name, digest in _candidates(held, run, generation, rejected):
         holders = {n: h[name]["files"] for n, h in held.items() if h.get(name, {}).get("digest") == digest}
         data = _shared_manifest(name, holders, held, tier, ranks)
-        view, problem = None, ""
-        try:
-            manifest = parse_shared_manifest(data, name, digest, key)
-            lacking = [f.name for f in manifest.files if not any(f.name in files for files in holders.values())]
-            if lacking:
-                raise CorruptGeneration(name, f"no surviving node holds {lacking[0]} (nor {len(lacking) - 1} other "
-                                        "files)" + (", nor the remote" if tier.remote is not None else ""))
-            view = Holdings(tier, manifest, data, holders, names)
-        except CorruptGeneration as exc:
-            problem = f"{exc}"
-        reports_ = ranks.all_gather(problem, "choose")
-        if any(reports_):
-            rejected.append(Rejection(name, "; ".join(sorted({t for t in reports_ if t}))))
-            if view is not None:
+        for direct in dict.fromkeys((one_pass, False)):  # again without direct reads if one found damage
+            view, problem = None, ""
+            try:
+                manifest = parse_shared_manifest(data, name, digest, key)
+                lacking = [f.name for f in manifest.files if not any(f.name in files for files in holders.values())]
+                if lacking:
+                    raise CorruptGeneration(name, f"no surviving node holds {lacking[0]} (nor {len(lacking) - 1} "
+                                            "other files)" + (", nor the remote" if tier.remote is not None else ""))
+                view = Holdings(tier, manifest, data, holders, names, direct=direct)
+            except CorruptGeneration as exc:
+                problem = f"{exc}"
+            reports_ = ranks.all_gather(problem, "choose")
+            if any(reports_):
+                rejected.append(Rejection(name, "; ".join(sorted({t for t in reports_ if t}))))
+                if view is not None:
+                    view.close()
+                break
+            try:
+                verified, parts, problem = load._check_candidate(view, name, None, run, ranks, key, templates)
+                reports_ = ranks.all_gather(problem, "verify")
+                fatal = [r[1:] for r in reports_ if r.startswith("!")]
+                if fatal:
+                    raise StateMismatch(fatal[0])
+                failed = {r: text for r, text in enumerate(reports_) if text}
+                if failed:
+                    rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))
+                    break
+                loading()
+                try:
+                    info = load._load(state, (verified, parts), tuple(rejected), view, ranks, allow,
+                                      statistical_cuda, templates)
+                except load.Damaged as exc:  # (only a shard read directly is verified while it loads)
+                    _damaged_while_loading(state, name, exc, rejected, retry=direct)
+                    continue
+                _log_sources(name, info.sources, ranks.rank)
+                later = Holdings(tier, manifest, data, view.holders, names)  # what the refill reads, afresh
+                later.damaged = set(view.damaged)
+                refill(lambda group: _refill_closing(later, manifest, data, group, tier, key))
+                return info, tuple(rejected)
+            finally:
                 view.close()
-            continue
-        try:
-            verified, parts, problem = load._check_candidate(view, name, None, run, ranks, key, templates)
-            reports_ = ranks.all_gather(problem, "verify")
-            fatal = [r[1:] for r in reports_ if r.startswith("!")]
-            if fatal:
-                raise StateMismatch(fatal[0])
-            failed = {r: text for r, text in enumerate(reports_) if text}
-            if failed:
-                rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))
-                continue
-            loading()
-            info = load._load(state, (verified, parts), tuple(rejected), view, ranks, allow, statistical_cuda,
-                              templates)
-            _log_sources(name, info.sources, ranks.rank)
-            later = Holdings(tier, manifest, data, view.holders, names)  # what the refill reads, afresh
-            later.damaged = set(view.damaged)
-            refill(lambda group: _refill_closing(later, manifest, data, group, tier, key))
-            return info, tuple(rejected)
-        finally:
-            view.close()
     if not rejected:
         return None, ()
     raise NoValidGeneration(tier.own.location, rejected)
+
+
+def _damaged_while_loading(state: TrainState, name: str, exc: Any, rejected: list[Rejection], retry: bool) -> None:
+    """A shard read straight from a node's disk failed its chunk digests as DCP loaded it: with ``retry``, the
+    candidate is read again through the fetch rounds (which pass over the damaged copy to another holder), else it
+    is rejected. Live tensors that took verified bytes of it make the state unusable until a load completes."""
+    if exc.live_changed:
+        mark_unusable(state, f"restoring {name} failed after verified chunks were loaded into live tensors "
+                             f"({exc.reason})")
+    if retry:
+        log.warning("%s: %s; reading it again through the nodes' copies", name, exc.reason)
+    else:
+        rejected.append(Rejection(name, exc.reason))
 
 
 def _needs_remote(held: dict[Any, dict]) -> bool:
