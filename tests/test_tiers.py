@@ -99,6 +99,12 @@ def test_two_nodes_resume_from_own_disk_from_a_replica_past_a_flipped_bit_and_af
     # generation again through the fetch rounds, which took the replica
     assert any("reading it again through the nodes' copies" in w for r in repaired for w in r["warnings"]), repaired
     assert any(p.name.startswith(f"{GEN}.rejected") for p in dirs[node].iterdir()), "the damaged copy is kept aside"
+    # the same after restore(in_place=False): found in the fetch round, before anything loads (no second reading)
+    _flip(sorted(p for p in (dirs[node] / GEN).glob("shard-*.safetensors") if "small" not in p.name)[0])
+    checked = _resumed(launch_nodes(out, dirs, ["tier_resume_checked_first"], worker=WORKER, nproc=2),
+                       "tier_resume_checked_first", 4)
+    assert checked[0]["generation"] == GEN and checked[0]["sources"]["peer"] > 0
+    assert not any("reading it again" in w for r in checked for w in r["warnings"]), checked
 
     # a node lost (its directory gone, back empty): its shards come from the replicas, then it is refilled
     shutil.rmtree(dirs[1])

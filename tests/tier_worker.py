@@ -10,7 +10,8 @@ launches so that a test can lose a node's directory between them.
 - ``tier_resume``: restore into fresh objects built from a wrong seed, train
   to update 10, compare bitwise with the reference;
 - ``tier_resume_unverified``: the same with the chunk check turned off (the
-  negative control for a flipped bit in a node's copy).
+  negative control for a flipped bit in a node's copy);
+- ``tier_resume_checked_first``: the same with ``restore(in_place=False)``.
 
 Environment: ``TS_REPLICAS`` (default 2), ``TS_DOMAIN`` (a failure-domain
 label for this node, optional), ``TS_WAIT_REPLICAS`` ("1": save waits),
@@ -90,7 +91,7 @@ def tier_train(out: Path) -> dict:
     return {"tiers": status, "node_dir": str(node_dir())}
 
 
-def _resume(out: Path, control: bool = False) -> dict:
+def _resume(out: Path, control: bool = False, **restore) -> dict:
     torch.manual_seed(999)  # the global stream is wrong until restore puts it back
     state = dw.build(mode(), seed=42)
     ckpt = tiered()
@@ -98,7 +99,7 @@ def _resume(out: Path, control: bool = False) -> dict:
     logging.getLogger("trainstate").addHandler(warned)
     try:
         try:
-            info = ckpt.restore(state)
+            info = ckpt.restore(state, **restore)
         except ts.TrainStateError as exc:
             return {"raised": type(exc).__name__, "message": str(exc)}
         after = _status(ckpt)
@@ -138,6 +139,12 @@ def tier_resume(out: Path) -> dict:
 @scenario
 def tier_resume_again(out: Path) -> dict:
     return _resume(out)
+
+
+@scenario
+def tier_resume_checked_first(out: Path) -> dict:
+    """``restore(in_place=False)``: every chunk, the node's own shards too, fetched and checked before any loads."""
+    return _resume(out, in_place=False)
 
 
 @scenario
