@@ -37,15 +37,17 @@ Wanted = dict[str, list[int]]  # file -> chunk indices (see Fetched.missing)
 
 
 def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted, problem: str,
-                   assigner: Any = None) -> tuple[str, bool]:
+                   assigner: Any = None, more: bool = False) -> tuple[str, bool]:
     """One collective round: every chunk some rank wants is downloaded by one of them and shared.
 
     Returns this rank's problem ("" when every chunk it wanted is now fetched and verified) and whether every
     rank got what it wanted (the same on every rank: when False, all stop this candidate at this round). A
     rank that arrives with a problem takes part without asking for anything. ``assigner``: who fetches which
     chunk (default :func:`assign`; a tiered restore assigns each chunk to a rank whose node holds the file).
+    ``more``: this rank needs the rounds after this one; ``fetched.more_rounds`` says whether any rank does.
     """
-    asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted}, "fetch")
+    asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted, "more": more}, "fetch")
+    fetched.more_rounds = any(a["more"] for a in asks)
     if any(a["problem"] for a in asks):
         return problem, False  # someone cannot go on with this candidate: everyone stops here
     if not any(a["wanted"] for a in asks):
@@ -130,9 +132,10 @@ def fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict |
                  problem: str) -> tuple[str, bool]:
     """Everything each rank reads, downloaded once over all ranks and verified by each: the global files, its
     rank records (every rank's at another world size), DCP's metadata, and of each shard only the chunks holding
-    the pieces its load plan reads (a shard it reads every entry of, whole). Four collective rounds
-    (:func:`.share.fetch_together`), every rank in each; one where no rank wants anything ends after its asks."""
-    state: dict[str, Any] = {"needed": None}
+    the pieces its load plan reads (a shard it reads every entry of, whole). Up to four collective rounds
+    (:func:`.share.fetch_together`), every rank in each; one where no rank wants anything ends after its asks, and
+    the last two (a shard's header, then its pieces) run only when some rank reads part of a shard."""
+    state: dict[str, Any] = {"needed": None, "partial": True}
     for step in (_want_records, _want_header_starts, _want_headers, _want_pieces):
         wanted: dict[str, list[int]] = {}
         if not problem:
@@ -141,9 +144,20 @@ def fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict |
                           if chunks}
             except (CorruptGeneration, OSError) as exc:
                 problem = f"{exc}"
-        problem, ok = getattr(fetched, "together", fetch_together)(fetched, manifest, ranks, wanted, problem)
+        more = step is not _want_header_starts or state["partial"]  # after the header starts: partial shards only
+        problem, ok = getattr(fetched, "together", fetch_together)(fetched, manifest, ranks, wanted, problem,
+                                                                   more=bool(more))
         if not ok:
             return problem, False
+        if step is _want_header_starts and not fetched.more_rounds:
+            # every rank reads its shards whole: the header rounds would only gather empty asks. Their check stays
+            # (each header parsed, every entry the plan reads present); a problem goes to the candidate's next gather
+            try:
+                if any(_want_pieces(fetched, manifest, ranks, templates, state).values()):
+                    problem = f"{manifest.generation}: a shard read whole is not whole in memory"
+            except (CorruptGeneration, OSError) as exc:
+                problem = f"{exc}"
+            break
     return problem, True
 
 
@@ -165,6 +179,7 @@ def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates
     state["needed"] = needed = _planned_entries(fetched, manifest.generation, templates, metadata, ranks.rank) \
         if templates is not None else None
     if needed is None:  # not plannable: whole files, so that the checks before loading can say why
+        state["partial"] = False
         return {shard: fetched.missing(manifest, shard) for shard in shards}
     held: dict[str, set[str]] = {}  # shard file -> every entry it stores
     for info in metadata.storage_data.values():
@@ -174,8 +189,10 @@ def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates
     # of any other, the start of its header, then the header, then the pieces (the next rounds)
     direct = getattr(fetched, "loads_direct", lambda *_: False)
     out = {}
+    state["partial"] = False
     for shard, entries in list(needed.items()):
         if not entries >= held.get(shard, set()):  # (sets: not every entry it stores)
+            state["partial"] = True
             out[shard] = fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))])
         elif direct(manifest, shard):
             del needed[shard]  # nothing of it is fetched in the rounds that follow

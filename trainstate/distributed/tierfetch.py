@@ -147,10 +147,13 @@ class Holdings(Fetched):
         return {(name, i): torch.frombuffer(mapped[b:e], dtype=torch.uint8) if e > b else
                 torch.empty(0, dtype=torch.uint8) for i, (b, e) in zip(chunks, spans)}
 
-    def together(self, fetched: Fetched, manifest: Any, ranks: Ranks, wanted: dict, problem: str) -> tuple[str, bool]:
-        """One collective round: every rank gets the chunks it wants, verified; (problem, every rank's ok)."""
+    def together(self, fetched: Fetched, manifest: Any, ranks: Ranks, wanted: dict, problem: str,
+                 more: bool = False) -> tuple[str, bool]:
+        """One collective round: every rank gets the chunks it wants, verified; (problem, every rank's ok).
+        ``more``: as :func:`.share.fetch_together`'s."""
         while True:
-            asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted}, "fetch")
+            asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted, "more": more}, "fetch")
+            fetched.more_rounds = any(a["more"] for a in asks)
             if any(a["problem"] for a in asks):
                 return problem, False
             if not any(a["wanted"] for a in asks):

@@ -49,6 +49,7 @@ class Fetched:
         self._names: list[str] | None = None
         self.planned: tuple | None = None  # (generation, DCP load planner): the reads planned to fetch, for the load
         self.metadata: tuple | None = None  # (generation, DCP metadata): decoded once, to plan; the load takes it
+        self.more_rounds = True  # whether a rank still needs a fetch round (multi-rank: the header rounds)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
