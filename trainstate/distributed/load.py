@@ -113,11 +113,17 @@ class Damaged(CorruptGeneration):
         self.generation, self.reason, self.live_changed = generation, reason, live_changed
 
 
-def _loaded_damage(state: TrainState, name: str, exc: Damaged, failed: list[Rejection]) -> None:
-    failed.append(Rejection(name, exc.reason))
+def _loaded_damage(state: TrainState, name: str, exc: Damaged, failed: list[Rejection], again: bool = False) -> None:
+    """Damage found while loading ``name``: rejected (in ``failed``), or with ``again`` read once more from other
+    sources (a tiered restore); live tensors that took verified bytes of it make the state unusable until a load
+    completes."""
     if exc.live_changed:
         mark_unusable(state, f"restoring {name} failed after verified chunks were loaded into live tensors "
                              f"({exc.reason})")
+    if again:
+        log.warning("%s: %s; reading it again through the nodes' copies", name, exc.reason)
+        return
+    failed.append(Rejection(name, exc.reason))
     log.warning("rejected %s while loading it (%s); %s", name, exc.reason,
                 "live tensors hold part of it: the state is unusable unless another generation loads completely"
                 if exc.live_changed else "no live tensor had changed")
@@ -215,9 +221,8 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
     if not problem:
         try:
             parts = _read(held, verified.manifest, ranks)
-            # as DCP loads them: every shard of held files; of a tiered view, those its node's disk serves directly
-            parts["verify_shards"] = frozenset(held.direct) if isinstance(held, Fetched) and getattr(
-                held, "direct", None) else one_pass and not isinstance(held, Fetched)
+            # as DCP loads them: every shard of held files; of fetched ones, those a tiered view's node serves
+            parts["verify_shards"] = frozenset(held.direct) if isinstance(held, Fetched) else one_pass
         except (CorruptGeneration, OSError) as exc:
             problem = f"{exc}"
         except StateMismatch as exc:

@@ -187,14 +187,13 @@ def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates
     # a shard this rank loads every entry of (its own, at the same world size) is wanted whole now, in this round
     # (unless a tiered view's node holds it: then DCP reads it from that disk, verified, tierfetch.loads_direct);
     # of any other, the start of its header, then the header, then the pieces (the next rounds)
-    direct = getattr(fetched, "loads_direct", lambda *_: False)
     out = {}
     state["partial"] = False
     for shard, entries in list(needed.items()):
         if not entries >= held.get(shard, set()):  # (sets: not every entry it stores)
             state["partial"] = True
             out[shard] = fetched.missing(manifest, shard, [(0, min(8, manifest.file(shard).size))])
-        elif direct(manifest, shard):
+        elif fetched.loads_direct(manifest, shard):
             del needed[shard]  # nothing of it is fetched in the rounds that follow
         else:
             out[shard] = fetched.missing(manifest, shard)

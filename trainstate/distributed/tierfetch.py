@@ -111,8 +111,7 @@ class Holdings(Fetched):
         self.tier, self.holders = tier, holders
         self.loaded = {"local": 0, "peer": 0, "remote": 0}  # bytes read, received, downloaded (sources())
         self.damaged: set[tuple[int, str, str]] = set()  # (node, file, tier) found not to match the manifest
-        self.allow_direct = direct
-        self.direct: set[str] = set()  # shards DCP reads straight from this node's disk, verified as it loads them
+        self.allow_direct = direct  # (self.direct: the shards DCP reads straight from this node's disk)
 
     def loads_direct(self, manifest: Any, name: str) -> bool:
         """Whether this rank loads the shard ``name`` (one it reads whole) straight from its node's disk while DCP

@@ -42,7 +42,6 @@ from ..format.digest import CHUNK_BYTES
 from ..format.manifest import MANIFEST, POINTER, RUN, generation_order, parse_generation_name, run_to_bytes
 from ..records import RestoreInfo
 from ..state.train_state import TrainState
-from ..state.usable import mark_unusable
 from . import load
 from .group import Ranks
 from .tierfetch import Holdings
@@ -115,7 +114,7 @@ def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[A
                     info = load._load(state, (verified, parts), tuple(rejected), view, ranks, allow,
                                       statistical_cuda, templates)
                 except load.Damaged as exc:  # (only a shard read directly is verified while it loads)
-                    _damaged_while_loading(state, name, exc, rejected, retry=direct)
+                    load._loaded_damage(state, name, exc, rejected, again=direct)
                     continue
                 _log_sources(name, info.sources, ranks.rank)
                 later = Holdings(tier, manifest, data, view.holders, names)  # what the refill reads, afresh
@@ -127,19 +126,6 @@ def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[A
     if not rejected:
         return None, ()
     raise NoValidGeneration(tier.own.location, rejected)
-
-
-def _damaged_while_loading(state: TrainState, name: str, exc: Any, rejected: list[Rejection], retry: bool) -> None:
-    """A shard read straight from a node's disk failed its chunk digests as DCP loaded it: with ``retry``, the
-    candidate is read again through the fetch rounds (which pass over the damaged copy to another holder), else it
-    is rejected. Live tensors that took verified bytes of it make the state unusable until a load completes."""
-    if exc.live_changed:
-        mark_unusable(state, f"restoring {name} failed after verified chunks were loaded into live tensors "
-                             f"({exc.reason})")
-    if retry:
-        log.warning("%s: %s; reading it again through the nodes' copies", name, exc.reason)
-    else:
-        rejected.append(Rejection(name, exc.reason))
 
 
 def _needs_remote(held: dict[Any, dict]) -> bool:

@@ -50,6 +50,7 @@ class Fetched:
         self.planned: tuple | None = None  # (generation, DCP load planner): the reads planned to fetch, for the load
         self.metadata: tuple | None = None  # (generation, DCP metadata): decoded once, to plan; the load takes it
         self.more_rounds = True  # whether a rank still needs a fetch round (multi-rank: the header rounds)
+        self.direct: set[str] = set()  # files DCP reads from their store as it loads them (a tiered view's)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -134,6 +135,11 @@ class Fetched:
         with self._lock:  # (several fetching threads)
             self.requested += sum(e - b for b, e in spans)
         return self._store.read_ranges(generation, name, spans)
+
+    def loads_direct(self, manifest: Manifest, name: str) -> bool:
+        """Whether file ``name`` is left out of the fetch rounds, read as it loads instead: never, here (a
+        tiered view reads its node's own shards so, :class:`~trainstate.distributed.tierfetch.Holdings`)."""
+        return False
 
     def fetched(self, generation: str, name: str) -> bool:
         return (generation, name) in self._files
