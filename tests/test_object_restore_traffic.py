@@ -223,6 +223,59 @@ def test_a_late_damaged_chunk_of_a_remote_generation_falls_back_bitwise(moto_ser
         assert ckpt.restore(live).generation.name == "gen-000000000002"
 
 
+@pytest.mark.parametrize("fault", ["unavailable", "memory", "control"])
+def test_a_remote_restore_that_fails_halfway_leaves_the_state_unusable(moto_server, monkeypatch, fault):
+    """The last ranged GET of a restore streaming the tensor file into live tensors fails, after the others placed
+    their chunks, over a state restored completely before: the store stops answering (StorageUnavailable: the
+    generation is unreadable, no other one verifies) or the process runs out of memory (MemoryError, raised as
+    it is). Either way the state holds part of the generation and is unusable: its save is refused. The control
+    (nothing marks it) saves the mix of two states."""
+    import time
+
+    from trainstate import restore as restore_mod
+    from trainstate.errors import StorageUnavailable
+    from trainstate.storage import chunked
+
+    url = moto_server.url(moto_server.make_bucket(), "run")
+    options = moto_server.storage_options()
+    with ts.CheckpointManager(url, storage_options=options) as ckpt:
+        ckpt.save(_state(seed=1))
+    live = _state(seed=7)
+    with ts.CheckpointManager(url, storage_options=options) as ckpt:
+        ckpt.restore(live)  # restored completely once: the state belongs to the run
+        with torch.no_grad():
+            for p in live["model"].parameters():
+                p.zero_()
+        real = chunked._ranged_chunks
+        error = StorageUnavailable("GET refused (the test cut it)") if fault == "unavailable" else MemoryError()
+
+        def cut(spans, record, *args, **kwargs):
+            last = (len(record.chunks) - 1) * chunked.CHUNK_BYTES
+
+            def refused(begin: int, end: int) -> memoryview:
+                if end > last:
+                    time.sleep(0.2)  # the other requests land and place their chunks first
+                    raise error
+                return spans(begin, end)
+            return real(refused, record, *args, **kwargs)
+        monkeypatch.setattr(chunked, "_ranged_chunks", cut)
+        if fault == "control":
+            monkeypatch.setattr(restore_mod, "mark_unusable", lambda *a, **k: None)
+        with pytest.raises(ts.errors.NoValidGeneration if fault == "unavailable" else MemoryError) as raised:
+            ckpt.restore(live)
+        monkeypatch.undo()
+        assert [k for k, v in _tensors(live).items() if k.startswith("m.") and v.any()], "the cut came too early"
+        if fault == "control":
+            assert ts.unusable_reason(live) is None
+            ckpt.save(live)  # the mix of two states, published: what the mark prevents
+            return
+        assert ts.unusable_reason(live), raised.value
+        if fault == "unavailable":
+            assert "GET refused" in str(raised.value), raised.value  # the cause, not "unreadable (None)"
+        with pytest.raises(ts.errors.StateUnusable):
+            ckpt.save(live)
+
+
 # multi-rank ------------------------------------------------------------------------------------------------------
 def restore_traffic(moto_server, tmp_path: Path, mode: str) -> tuple[dict, list, object]:
     bucket = moto_server.make_bucket()
@@ -266,3 +319,29 @@ def test_control_a_chunk_a_peer_hands_over_is_verified_by_the_rank_that_keeps_it
         {**common, "phase": "bad-peer"})}).ok("object_restore")
     for r in results:
         assert r["outcome"] == "NoValidGeneration" and "as rank 0 handed it over" in r["message"], r
+
+
+def test_a_multi_rank_restore_reads_its_shard_as_it_loads_verified_and_marks_a_half_load(moto_server, tmp_path):
+    """Each rank reads its own shard straight from the store while DCP loads it (no copy held in memory). A bit
+    flipped in the last chunk of rank 0's shard of the newest generation is found there: every rank passes over
+    it to the previous generation, which loads completely, bitwise. A read that fails halfway (the store refuses
+    rank 0's GETs after the header chunk) fails the restore on every rank and leaves every rank's state unusable:
+    its save is refused. Controls: with the chunk checks off the damaged generation loads; with nothing marked,
+    the half-loaded state is saved."""
+    url = moto_server.url(moto_server.make_bucket(), "run")
+    remote = {"url": url, "storage_options": moto_server.storage_options()}
+    worker = Path(__file__).resolve().parent / "dist_objects_worker.py"
+    results = launch(tmp_path / "faults", ["object_faults"], worker=worker,
+                     env={"TRAINSTATE_TEST_S3": json.dumps(remote)}).ok("object_faults")
+    assert results[0]["chunks"] >= 2, results[0]  # the flipped bit lies past the header chunk
+    for rank, r in enumerate(results):
+        assert r["direct"] == [f"shard-{rank:05d}.safetensors"], r  # its own shard, read as it loads
+        damaged, unchecked = r["damaged"], r["unchecked"]
+        assert damaged["generation"] == r["older"] and damaged["unusable"] is None, (damaged, r)
+        assert damaged["rejected"][0].startswith(r["newer"]) and "chunk" in damaged["rejected"][0], damaged
+        assert r["damaged_differs"] == [], r
+        assert unchecked["generation"] == r["newer"] and r["unchecked_differs"], r  # the flipped bit loaded
+        cut, control = r["cut"], r["cut_unmarked"]
+        assert cut.get("outcome") and cut["unusable"] and "connection reset" in cut["unusable"], cut
+        assert cut["save"] == "StateUnusable", cut
+        assert control.get("outcome") and control["unusable"] is None and control["save"].startswith("gen-"), control

@@ -220,8 +220,11 @@ class CheckpointFailed(TrainStateError, RuntimeError):
 
     ``phase`` names the step of the protocol; ``failures`` maps each failing
     rank to what it reported (``-1``: a peer was lost, the rank is not known).
-    Nothing of a failed save was published: no pointer moved.
+    Nothing of a failed save was published: no pointer moved. A failed restore changed nothing in the run; where
+    live tensors had taken part of it, the state is unusable until a restore loads completely.
     """
+
+    RESTORING = frozenset({"choose", "check", "load", "apply"})  # the phases of a multi-rank restore
 
     def __init__(self, phase: str, failures: dict[int, str], peer_lost: bool = False):
         self.phase, self.failures, self.peer_lost = phase, dict(failures), peer_lost
@@ -229,8 +232,11 @@ class CheckpointFailed(TrainStateError, RuntimeError):
         detail = "; ".join(f"rank {r}: {m}" if r >= 0 else m for r, m in sorted(self.failures.items()))
         hint = (" A rank died or stopped answering within the checkpoint timeout; the job should exit and be "
                 "restarted (torchrun --max-restarts, or your scheduler), resuming from the last generation.")
-        super().__init__(f"checkpoint {phase} failed on {ranks}: {detail[:2000]}. Nothing of it was published; "
-                         f"the previous generation stands." + (hint if peer_lost else ""))
+        outcome = ("The restore did not complete and changed nothing in the run; if live tensors took part of it, "
+                   "the state is unusable (trainstate.unusable_reason) until a restore loads completely."
+                   if phase in self.RESTORING else "Nothing of it was published; the previous generation stands.")
+        super().__init__(f"checkpoint {phase} failed on {ranks}: {detail[:2000]}. {outcome}"
+                         + (hint if peer_lost else ""))
 
 
 class SaveNotJoined(CheckpointFailed):

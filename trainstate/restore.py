@@ -113,6 +113,11 @@ def _restore(store: Store, state: TrainState, *, key: SigningKey | None, generat
                 if generation is not None:
                     raise NoValidGeneration(store.location, failed, unusable=unusable(state)) from None
                 continue
+            except BaseException as exc:  # a read that failed halfway (the store went away): no rejection
+                if progress.live_changed:
+                    mark_unusable(state, f"restoring {name} failed after {progress.chunks} verified chunks were "
+                                        f"loaded into live tensors ({type(exc).__name__}: {exc})")
+                raise
         elif mode == "preview":
             payload = load_in_place(store, state, verified, _metered(meter, verified.manifest, "load"))
         break

@@ -84,6 +84,8 @@ def restore(state: TrainState, ranks: Ranks, store: Any, key: Any, *, generation
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     remote = getattr(store, "remote", False)
     held = Fetched(store) if remote else HeldFiles(store)
+    if remote:  # a shard that one rank alone reads whole: read as it loads, one pass (share.fetch_share)
+        held.offers_direct = one_pass
     failed: list[Rejection] = []  # generations whose one-pass load found damage after the choice
     with untouched_unless_loaded(state) as loading:
         try:
@@ -304,8 +306,11 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
         lineage = continue_lineage(held, manifest) if ranks.rank == 0 else None
         return {"lineage": lineage, "sources": held.sources() if hasattr(held, "sources") else None}
 
+    def changed(reason: str) -> None:  # the load failed on some rank (not damage) after live tensors changed
+        mark_unusable(state, f"restoring {name} failed after live tensors took part of it ({reason})")
+
     shared = _load_checked(templates, reader, ranks, name, progress,
-                           planned[1] if planned and planned[0] == name else None, apply, share)
+                           planned[1] if planned and planned[0] == name else None, apply, share, changed)
     mark_usable(state)  # every component loaded completely from one verified generation
     if accepted:
         state.history.append({"event": "contract_change", "restored_from": name, "next_update": state.next_update,
@@ -332,11 +337,12 @@ def _loaded_verified(manifest: Any) -> set[str]:
 
 def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, progress: Progress,
                   planned: LoadPlanner | None = None, apply: Callable[[], None] | None = None,
-                  share: Callable[[], Any] | None = None) -> list[Any]:
+                  share: Callable[[], Any] | None = None, changed: Callable[[str], None] | None = None) -> list[Any]:
     """``dcp.load`` through the verifying reader, each rank its own part; where it loaded without error,
     ``apply()`` (the live objects take the rest) and ``share()``; then one round gathers every rank's outcome and
     shared value (returned, in rank order). Damage found on any rank raises :class:`Damaged` on every rank, any
-    other failure :class:`CheckpointFailed` (a rank's own typed error on that rank).
+    other failure :class:`CheckpointFailed` (a rank's own typed error on that rank), after ``changed(reason)``
+    where live tensors of some rank already took part of the generation (a read that failed halfway).
 
     DCP's collective planning is skipped (``no_dist``): a load plan is each rank's own (the default planner's
     global step passes the plans through, and the reader adds nothing), so its two rounds of pickled plans
@@ -376,6 +382,8 @@ def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, prog
     for index, phase in ((2, "load"), (3, "apply")):
         failed = {r: report[index] for r, report in enumerate(reports) if report[index]}
         if failed:
+            if changed is not None and any(live for _, live, *_ in reports):
+                changed("; ".join(f"rank {r}: {text}" for r, text in failed.items())[:2000])
             if isinstance(own, TrainStateError):
                 raise own
             raise CheckpointFailed(phase, failed) from own

@@ -37,7 +37,7 @@ Wanted = dict[str, list[int]]  # file -> chunk indices (see Fetched.missing)
 
 
 def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted, problem: str,
-                   assigner: Any = None, more: bool = False) -> tuple[str, bool]:
+                   assigner: Any = None, more: bool = False, whole: tuple[str, ...] = ()) -> tuple[str, bool]:
     """One collective round: every chunk some rank wants is downloaded by one of them and shared.
 
     Returns this rank's problem ("" when every chunk it wanted is now fetched and verified) and whether every
@@ -45,11 +45,16 @@ def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted
     rank that arrives with a problem takes part without asking for anything. ``assigner``: who fetches which
     chunk (default :func:`assign`; a tiered restore assigns each chunk to a rank whose node holds the file).
     ``more``: this rank needs the rounds after this one; ``fetched.more_rounds`` says whether any rank does.
+    ``whole``: files of ``wanted`` (each wanted whole) that this rank may read as it loads instead: of each one
+    that no other rank wants any chunk of, only the first chunk is fetched in this round, and the file goes to
+    ``fetched.direct`` (:func:`read_as_loaded`).
     """
-    asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted, "more": more}, "fetch")
+    asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted, "more": more,
+                             "whole": [] if problem else list(whole)}, "fetch")
     fetched.more_rounds = any(a["more"] for a in asks)
     if any(a["problem"] for a in asks):
         return problem, False  # someone cannot go on with this candidate: everyone stops here
+    fetched.read_as_loaded(manifest, read_as_loaded(asks)[ranks.rank])
     if not any(a["wanted"] for a in asks):
         return "", True  # nothing to download: the round ends here, every rank alike
     plan = (assigner or assign)([a["wanted"] for a in asks], manifest)
@@ -64,6 +69,21 @@ def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted
     for source in range(ranks.world_size):
         error = _share(fetched, manifest, ranks, source, plan[source], asks) or error
     return error, not any(ranks.all_gather(error, "fetch"))
+
+
+def read_as_loaded(asks: list[dict]) -> list[set[str]]:
+    """Per rank, the files it offered to read as it loads (``whole``) that no other rank wants (the same answer
+    on every rank). Of each, only the first chunk (the header's) stays in ``asks``: fetched in this round beside
+    the other files, so that the load starts with it. A file two ranks want is downloaded once and handed over."""
+    out: list[set[str]] = [set() for _ in asks]
+    for rank, ask in enumerate(asks):
+        for name in ask["whole"]:
+            if not any(name in other["wanted"] for r, other in enumerate(asks) if r != rank):
+                out[rank].add(name)
+    for ask, names in zip(asks, out):
+        for name in names:
+            ask["wanted"][name] = [i for i in ask["wanted"][name] if i == 0]
+    return out
 
 
 def assign(wants: list[Wanted], manifest: Any) -> list[Wanted]:
@@ -134,8 +154,14 @@ def fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict |
     rank records (every rank's at another world size), DCP's metadata, and of each shard only the chunks holding
     the pieces its load plan reads (a shard it reads every entry of, whole). Up to four collective rounds
     (:func:`.share.fetch_together`), every rank in each; one where no rank wants anything ends after its asks, and
-    the last two (a shard's header, then its pieces) run only when some rank reads part of a shard."""
-    state: dict[str, Any] = {"needed": None, "partial": True}
+    the last two (a shard's header, then its pieces) run only when some rank reads part of a shard.
+
+    A shard that one rank alone reads, and reads whole, is not fetched here when ``fetched.offers_direct`` (a
+    one-pass restore): that rank reads it while DCP loads it (``fetched.direct``), in parallel ranged GETs, each
+    chunk verified before it reaches a live tensor, so that the download overlaps the copy and the shard is never
+    held in memory."""
+    state: dict[str, Any] = {"needed": None, "partial": True, "whole": ()}
+    fetched.direct.clear()  # (chosen again for each candidate)
     for step in (_want_records, _want_header_starts, _want_headers, _want_pieces):
         wanted: dict[str, list[int]] = {}
         if not problem:
@@ -144,12 +170,17 @@ def fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict |
                           if chunks}
             except (CorruptGeneration, OSError) as exc:
                 problem = f"{exc}"
-        more = step is not _want_header_starts or state["partial"]  # after the header starts: partial shards only
+        header_starts = step is _want_header_starts
+        more = not header_starts or state["partial"]  # after the header starts: partial shards only
+        offered = tuple(n for n in state["whole"] if n in wanted) if header_starts and not problem else ()
+        whole = {"whole": offered} if offered else {}  # (a tiered view decides on its own: it offers none)
         problem, ok = getattr(fetched, "together", fetch_together)(fetched, manifest, ranks, wanted, problem,
-                                                                   more=bool(more))
+                                                                   more=bool(more), **whole)
         if not ok:
             return problem, False
-        if step is _want_header_starts and not fetched.more_rounds:
+        for name in fetched.direct if header_starts else ():
+            (state["needed"] or {}).pop(name, None)  # read as it loads: nothing of it in the rounds that follow
+        if header_starts and not fetched.more_rounds:
             # every rank reads its shards whole: the header rounds would only gather empty asks. Their check stays
             # (each header parsed, every entry the plan reads present); a problem goes to the candidate's next gather
             try:
@@ -197,6 +228,9 @@ def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates
             del needed[shard]  # nothing of it is fetched in the rounds that follow
         else:
             out[shard] = fetched.missing(manifest, shard)
+    if fetched.offers_direct:  # read as it loads if no other rank wants it (fetch_together); a chunked shard only
+        state["whole"] = tuple(shard for shard in out if shard in needed and manifest.file(shard).chunks
+                               and len(out[shard]) == len(manifest.file(shard).chunks))
     return out
 
 

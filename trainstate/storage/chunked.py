@@ -126,6 +126,11 @@ def _chunk_span(record: FileRecord, index: int) -> tuple[int, int]:
     return index * CHUNK_BYTES, min((index + 1) * CHUNK_BYTES, record.size)
 
 
+def _span_length(record: FileRecord, index: int) -> int:
+    lo, hi = _chunk_span(record, index)
+    return hi - lo
+
+
 def _check(record: FileRecord, index: int, data: memoryview | np.ndarray, where: str, algorithm: str) -> None:
     if chunk_digest(data, algorithm) != record.chunks[index]:
         lo, hi = _chunk_span(record, index)
@@ -275,7 +280,7 @@ def _stream_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target],
     fd = positional(stream)
     spans = _span_reader(stream) if fd is None else None
     if spans is not None:
-        _ranged_chunks(spans, record, targets, where, algorithm, progress, on_bytes)
+        _ranged_chunks(spans, record, targets, where, algorithm, progress, on_bytes, getattr(stream, "held", None))
     elif fd is None:
         _ring_chunks(stream, record, targets, where, algorithm, progress, workers, on_bytes)
     else:
@@ -404,17 +409,26 @@ def _ring_chunks(stream: BinaryIO, record: FileRecord, targets: list[_Target], w
 
 
 def _ranged_chunks(spans: SpanReader, record: FileRecord, targets: list[_Target], where: str, algorithm: str,
-                   progress: Progress, on_bytes: OnBytes | None) -> None:
+                   progress: Progress, on_bytes: OnBytes | None, held: dict[int, Any] | None = None) -> None:
     """For object stores: ``FETCHERS`` threads each fetch the next run of chunks in one ranged GET, verify each
     chunk and place it. At most ``FETCHERS`` x ``FETCH_BYTES`` are in memory; the first failure (lowest chunk)
-    stops every thread from starting another request and is raised once the requests in flight end."""
+    stops every thread from starting another request and is raised once the requests in flight end. ``held``:
+    chunks the stream read already (the header's), verified and placed like the others but not fetched again."""
     count = len(record.chunks)
     per = max(1, FETCH_BYTES // CHUNK_BYTES)
-    runs = [(first, min(count, first + per)) for first in range(0, count, per)]
+    held = {i: c for i, c in (held or {}).items() if i < count and len(c) == _span_length(record, i)}
+    runs: list[tuple[int, int]] = []  # [first, end) chunks: one GET each, or one held chunk
+    for index in range(count):
+        last = runs[-1] if runs else None
+        if index not in held and last and last[0] not in held and last[1] - last[0] < per:
+            runs[-1] = (last[0], index + 1)
+        else:
+            runs.append((index, index + 1))
+
     def one(at: int) -> None:
         first, end = runs[at]
         lo, hi = _chunk_span(record, first)[0], _chunk_span(record, end - 1)[1]
-        data = np.frombuffer(spans(lo, hi), np.uint8)
+        data = np.frombuffer(held[first] if first in held else spans(lo, hi), np.uint8)
         if len(data) != hi - lo:
             raise CorruptGeneration(where, f"{len(data)} bytes at {lo} where {hi - lo} were expected (truncated?)")
         for index in range(first, end):

@@ -14,7 +14,10 @@ digest pass, the decode and the tensor reads see exactly the verified bytes,
 and nothing reaches a live tensor before the whole choice has verified.
 
 Memory: the fetched share stays in memory until the restore ends (the
-rank's share of the generation, besides the live state it loads into).
+rank's share of the generation, besides the live state it loads into),
+except the files a multi-rank restore reads as it loads (``direct``: a shard
+one rank alone reads whole), which go from each ranged GET, verified, into
+the live tensors (:class:`_RangedReader`, ``chunked.read_file``).
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ class Fetched:
         self.planned: tuple | None = None  # (generation, DCP load planner): the reads planned to fetch, for the load
         self.metadata: tuple | None = None  # (generation, DCP metadata): decoded once, to plan; the load takes it
         self.more_rounds = True  # whether a rank still needs a fetch round (multi-rank: the header rounds)
-        self.direct: set[str] = set()  # files DCP reads from their store as it loads them (a tiered view's)
+        self.direct: set[str] = set()  # files DCP reads from their store as it loads them (chosen per candidate)
+        self._ranged: dict[tuple[str, str], tuple[int, dict]] = {}  # direct files: size, chunks read (unverified)
+        self.offers_direct = False  # whether a shard this rank alone reads, whole, may be read so (one pass)
+        self.layouts: dict = {}  # shard headers verified once (chunked._held_header), for the direct loads
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -137,15 +143,31 @@ class Fetched:
         return self._store.read_ranges(generation, name, spans)
 
     def loads_direct(self, manifest: Manifest, name: str) -> bool:
-        """Whether file ``name`` is left out of the fetch rounds, read as it loads instead: never, here (a
-        tiered view reads its node's own shards so, :class:`~trainstate.distributed.tierfetch.Holdings`)."""
+        """Whether this rank reads file ``name`` as it loads, decided on its own: never, here (a tiered view
+        reads its node's own shards so, :class:`~trainstate.distributed.tierfetch.Holdings`). With
+        ``offers_direct``, the fetch rounds decide together instead (:func:`~trainstate.distributed.share.
+        fetch_together`): a shard that one rank alone reads, and reads whole, is read by that rank while it
+        loads, in parallel ranged GETs, each chunk verified on its way into the live tensors."""
         return False
+
+    def read_as_loaded(self, manifest: Manifest, names: set[str]) -> None:
+        """These files are read as they load (``direct``), straight from the store in bounded ranged GETs (no
+        HEAD: the manifest gives the size); a chunk fetched before (the header's, in the round that chose this)
+        is not downloaded again."""
+        self.direct.update(names)
+        for name in names:
+            self._ranged[(manifest.generation, name)] = (manifest.file(name).size, {})
 
     def fetched(self, generation: str, name: str) -> bool:
         return (generation, name) in self._files
 
     def open(self, generation: str, name: str) -> Any:
         sparse = self._files.get((generation, name))
+        ranged = self._ranged.get((generation, name)) if name in self.direct else None
+        if ranged is not None:  # (the chunks fetched so far, verified: the header's)
+            size, held = ranged
+            held.update(sparse.chunks if sparse is not None else {})
+            return _RangedReader(lambda b, e: self._download(generation, name, [(b, e)])[0], size, held)
         if sparse is not None:
             return _SparseReader(sparse, f"{generation}/{name}")
         if name == MANIFEST:  # read by every structural check: once
@@ -158,7 +180,9 @@ class Fetched:
 
     def close(self) -> None:
         self._files.clear()
+        self._ranged.clear()
         self._small.clear()
+        self.layouts.clear()
         self._pin.__exit__(None, None, None)
         self._pin = contextlib.nullcontext()
 
@@ -233,3 +257,39 @@ class _SparseReader(SeekableReader):
         n = left if size is None or size < 0 else min(size, left)
         buffer = bytearray(max(n, 0))
         return bytes(buffer[:self.readinto(buffer)])
+
+
+class _RangedReader(SeekableReader):
+    """A file read from the store in whole-chunk ranged GETs, each chunk once: what it read stays in ``held``
+    (shared by the file's readers in one restore, unverified: each reader checks what it uses), and
+    :meth:`span_reader` fetches any span. For a shard read as it loads: its header chunk is read first, and the
+    verifying pass (``chunked.read_file``) takes it from ``held`` rather than downloading it again."""
+
+    keeps_reads = True
+
+    def __init__(self, fetch: Any, size: int, held: dict[int, memoryview]):
+        self._fetch, self._size, self.held, self._pos = fetch, size, held, 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def span_reader(self) -> Any:
+        return self._fetch
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(out) and self._pos < self._size:
+            index, within = divmod(self._pos, CHUNK_BYTES)
+            chunk = self.held.get(index)
+            if chunk is None:
+                lo = index * CHUNK_BYTES
+                chunk = self.held[index] = memoryview(self._fetch(lo, min(self._size, lo + CHUNK_BYTES))).cast("B")
+            n = min(len(out) - done, len(chunk) - within)
+            if n <= 0:
+                break  # (a short object: the reader that expected more says so)
+            out[done:done + n] = chunk[within:within + n]
+            self._pos += n
+            done += n
+        return done

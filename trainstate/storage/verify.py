@@ -66,7 +66,7 @@ def _read_limited(store: Store, generation: str, file: str, limit: int) -> bytes
     except FileNotFoundError:
         raise CorruptGeneration(f"{generation}/{file}", "missing") from None
     except OSError as exc:
-        raise CorruptGeneration(f"{generation}/{file}", f"unreadable ({exc.strerror})") from None
+        raise CorruptGeneration(f"{generation}/{file}", f"unreadable ({_why(exc)})") from None
     if len(data) > limit:
         raise CorruptGeneration(f"{generation}/{file}", f"larger than the {limit}-byte limit")
     return data
@@ -145,7 +145,7 @@ def _verify_generation(store: Store, generation: str, pointer: Pointer | None, *
                         continue
                     got_size, got = digest_stream(stream, manifest.digest_algorithm, record.size)
             except OSError as exc:
-                raise CorruptGeneration(where, f"unreadable ({exc.strerror})") from None
+                raise CorruptGeneration(where, f"unreadable ({_why(exc)})") from None
             if got_size != record.size or got != record.digest:
                 raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
             if on_bytes is not None:
@@ -305,7 +305,7 @@ def decode_verified(store: Store, manifest: Manifest, component: str | None = No
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
-        raise CorruptGeneration(generation, f"unreadable ({exc.strerror})") from None
+        raise CorruptGeneration(generation, f"unreadable ({_why(exc)})") from None
 
 
 def preview_headers(store: Store, manifest: Manifest) -> dict[str, Any]:
@@ -322,7 +322,7 @@ def preview_headers(store: Store, manifest: Manifest) -> dict[str, Any]:
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
-        raise CorruptGeneration(manifest.generation, f"unreadable ({exc.strerror})") from None
+        raise CorruptGeneration(manifest.generation, f"unreadable ({_why(exc)})") from None
 
 
 def decode_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -470,3 +470,8 @@ def referenced_tensors(skeleton: Any) -> list[str]:
                 continue
             stack.extend(node.values())
     return out
+
+
+def _why(exc: OSError) -> str:
+    """What an OSError says: its strerror (a system error), else its message (a store's error, raised with one)."""
+    return exc.strerror or str(exc) or type(exc).__name__
