@@ -28,6 +28,9 @@ time (so: until the slowest rank is done).
                    no digest: its own files (``shard-<rank>*``, ``rank-<rank>*``) and the global ones
                    (``manifest.json``, ``state.json``, ``dcp-metadata.json``, ...), listed with
                    ``ObjectStore.files(generation)``.
+``obstore-checked`` as ``obstore``, then each 4 MiB chunk digested (XXH3-128) and copied into memory allocated
+                   before (standing for the live tensors), object by object: the least any verified load adds
+                   to the download, done by the raw client.
 ``obstore-ranges`` each rank ``obstore.get_ranges`` of exactly the spans its trainstate restore downloaded
                    (recorded in an untimed restore), per file, no digest: the same requests without the
                    verification, the hand-over to the other rank and the load.
@@ -60,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 ENV = "BENCH_DIST_OBJECTS_SERVER"  # the launcher hands the ranks the server as JSON
-METHODS = ("trainstate", "obstore", "obstore-ranges", "dcp")
+METHODS = ("trainstate", "obstore", "obstore-checked", "obstore-ranges", "dcp")
 GB = 1e9
 MiB = 1 << 20
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -256,6 +259,26 @@ class Bench:
                     raise RuntimeError(f"{key}: {len(data)} bytes, expected {self.sizes[name]}")
                 del data
         return timed(get_all)
+
+    def obstore_checked(self) -> dict:
+        """As ``obstore``, then what any verified load adds: each 4 MiB chunk digested (XXH3-128, the run's
+        chunk digest) and copied into memory allocated before (standing for the live tensors), each object
+        right after its GET."""
+        import numpy as np
+        import xxhash
+
+        into = {name: np.empty(size, np.uint8) for name, size in self.sizes.items()}  # untimed: the live state
+
+        def get_check_place() -> None:
+            for name, key in self.keys.items():
+                data = np.frombuffer(obstore.get(self.store, key).bytes(), np.uint8)
+                if len(data) != self.sizes[name]:
+                    raise RuntimeError(f"{key}: {len(data)} bytes, expected {self.sizes[name]}")
+                for at in range(0, len(data), 4 << 20):
+                    xxhash.xxh3_128(data[at:at + (4 << 20)]).digest()
+                    into[name][at:at + (4 << 20)] = data[at:at + (4 << 20)]
+                del data
+        return timed(get_check_place)
 
     def obstore_ranges(self) -> dict:
         def get_ranges() -> None:
