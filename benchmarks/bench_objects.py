@@ -37,6 +37,9 @@ Upload methods:
                        untimed from the local generation) as three objects; the tensor file
                        multipart with the same part size and concurrency as trainstate (``16 MiB``,
                        8), fed the same way (an iterator of memoryviews), no digest: the floor.
+``obstore-digested``   the same, each view digested in the iterator with the run's chunk digest
+                       (``xxh3-chunked``), as ``ObjectStaging.write`` does: the least a verified
+                       upload adds to the raw put.
 ``s3fs``               ``S3FileSystem.pipe_file`` of the same bytes, same part size and concurrency.
 
 Download methods (all read the one generation under ``down/``):
@@ -102,12 +105,13 @@ from trainstate.lifecycle.mirror import copy_generation  # noqa: E402
 from trainstate.storage import objects as objects_mod  # noqa: E402
 from trainstate.storage.local import LocalStore  # noqa: E402
 from trainstate.storage.objects import ObjectStore  # noqa: E402
+from trainstate.format.digest import FAST_CHUNKED, new_hasher  # noqa: E402
 from trainstate.storage.verify import verify_generation  # noqa: E402
 
 GB = 1e9
 CONCURRENCY = 8  # as Client.put_stream
 READ_CHUNK = 8 << 20  # as Client.reader's min_chunk_size
-UPLOADS = ("trainstate", "trainstate-mirror", "obstore", "s3fs")
+UPLOADS = ("trainstate", "trainstate-mirror", "obstore", "obstore-digested", "s3fs")
 DOWNLOADS = ("trainstate", "trainstate-copy", "trainstate-verify", "obstore", "obstore-stream", "s3fs")
 UPLOADS_PROFILE = ("obstore+blake3",)
 DOWNLOADS_PROFILE = ("reader+blake3",)
@@ -232,10 +236,10 @@ class Run:
         dst = ObjectStore(self.server.url(self.bucket, prefix), storage_options=self.opts)
         copy_generation(local, dst, self.local_name, None)
 
-    def _raw_put(self, prefix: str, hasher: bool = False) -> None:
+    def _raw_put(self, prefix: str, hasher: bool | str = False) -> None:
         for name, data in self.payload.items():
             key = f"{prefix}/{name}"
-            h = blake3.blake3() if hasher else None
+            h = (new_hasher(hasher) if isinstance(hasher, str) else blake3.blake3()) if hasher else None
             if len(data) < objects_mod.PART_SIZE:
                 if h:
                     h.update(data)
@@ -253,6 +257,9 @@ class Run:
 
     def up_obstore(self, prefix: str) -> None:
         self._raw_put(prefix)
+
+    def up_obstore_digested(self, prefix: str) -> None:
+        self._raw_put(prefix, hasher=FAST_CHUNKED)
 
     def up_obstore_blake3(self, prefix: str) -> None:
         self._raw_put(prefix, hasher=True)

@@ -300,14 +300,14 @@ def tier_reshard(out: Path) -> dict:
 def tier_resume_unverified(out: Path) -> dict:
     """The control: a chunk from any node's disk is taken without checking its digest (and nothing is repaired),
     fetched in a round or read straight from the disk as DCP loads it."""
-    from trainstate.storage import chunked, fetched
+    from trainstate.storage import chunked
 
-    checks = fetched._check, chunked._check
-    fetched._check = chunked._check = lambda *args: None
+    check = chunked._check  # every chunked reader's, the fetch rounds' too
+    chunked._check = lambda *args: None
     try:
         return _resume(out, control=True)
     finally:
-        fetched._check, chunked._check = checks
+        chunked._check = check
 
 
 if __name__ == "__main__":

@@ -223,8 +223,10 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
     if not problem:
         try:
             parts = _read(held, verified.manifest, ranks)
-            # as DCP loads them: every shard of held files; of fetched ones, those a tiered view's node serves
-            parts["verify_shards"] = frozenset(held.direct) if isinstance(held, Fetched) else one_pass
+            # the shards verified as DCP loads them: of held files, every chunked one (one pass); of fetched ones,
+            # those read as they load (a rank's own shard; a tiered view's node's); the rest were verified already
+            parts["verify_shards"] = frozenset(held.direct) if isinstance(held, Fetched) else \
+                frozenset(_loaded_verified(verified.manifest) if one_pass else ())
         except (CorruptGeneration, OSError) as exc:
             problem = f"{exc}"
         except StateMismatch as exc:
@@ -287,9 +289,9 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     ranks.check("check", error)  # every check passed on every rank before any live object changes
     templates = templates if templates is not None else sharded_state(state)[0]
     progress = Progress()
-    verify = parts.get("verify_shards")
+    verify = parts["verify_shards"]
     reader = Reader(held, name, metadata, {f.name: f.size for f in manifest.files}, manifest if verify else None,
-                    progress, only=verify if isinstance(verify, frozenset) else None)  # the rest verified already
+                    progress, only=verify)
     planned = held.planned if isinstance(held, Fetched) else None
 
     def apply() -> None:

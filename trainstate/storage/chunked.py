@@ -132,7 +132,8 @@ def _span_length(record: FileRecord, index: int) -> int:
 
 
 def _check(record: FileRecord, index: int, data: memoryview | np.ndarray, where: str, algorithm: str) -> None:
-    if chunk_digest(data, algorithm) != record.chunks[index]:
+    """Chunk ``index`` of the file ``record`` lists is ``data``, by its digest (every chunked reader checks here)."""
+    if index >= len(record.chunks) or chunk_digest(data, algorithm) != record.chunks[index]:
         lo, hi = _chunk_span(record, index)
         raise CorruptGeneration(where, f"{algorithm} digest mismatch in chunk {index} (bytes {lo}-{hi}; content "
                                        "changed)")

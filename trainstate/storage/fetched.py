@@ -28,10 +28,11 @@ import threading
 from typing import Any
 
 from ..errors import CorruptGeneration, TrainStateError
-from ..format.digest import CHUNK_BYTES, chunk_digest, digest_bytes, is_chunked
+from ..format.digest import CHUNK_BYTES, digest_bytes, is_chunked
 from ..format.manifest import MANIFEST, FileRecord, Manifest
 from .base import pinned
 from .threads import in_order
+from . import chunked
 from .chunked import FETCHERS
 from .streams import SeekableReader
 
@@ -106,7 +107,8 @@ class Fetched:
             if len(data) != end - begin:
                 raise CorruptGeneration(where, f"{len(data)} bytes where {end - begin} were expected (truncated?)")
             for offset in range(0, len(data), CHUNK_BYTES):
-                _check(manifest, record, (begin + offset) // CHUNK_BYTES, data[offset:offset + CHUNK_BYTES], where)
+                chunked._check(record, (begin + offset) // CHUNK_BYTES, data[offset:offset + CHUNK_BYTES], where,
+                               manifest.digest_algorithm)
             got[at] = data
 
         in_order(len(requests), max(1, min(FETCHERS, len(requests))), one)
@@ -127,7 +129,7 @@ class Fetched:
                 raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
             sparse.put(0, view, whole=True)
             return
-        _check(manifest, record, index, view, where)
+        chunked._check(record, index, view, where, manifest.digest_algorithm)
         sparse.chunks[index] = view
 
     def chunk(self, manifest: Manifest, name: str, index: int) -> memoryview:
@@ -203,12 +205,6 @@ def _requests(chunks: list[int], size: int) -> list[tuple[int, int]]:
 
 def _chunked(manifest: Manifest, record: FileRecord) -> bool:
     return is_chunked(manifest.digest_algorithm) and bool(record.chunks)
-
-
-def _check(manifest: Manifest, record: FileRecord, index: int, data: memoryview, where: str) -> None:
-    algorithm = manifest.digest_algorithm
-    if index >= len(record.chunks) or chunk_digest(data, algorithm) != record.chunks[index]:
-        raise CorruptGeneration(where, f"{algorithm} digest mismatch in chunk {index} (content changed)")
 
 
 class _Sparse:
