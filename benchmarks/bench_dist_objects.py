@@ -52,7 +52,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 import traceback
@@ -176,34 +175,6 @@ class Traffic:
         return {"spans": {k: v for k, v in self.spans.items()}, "calls": dict(self.calls)}
 
 
-class PeakRSS:
-    """This process's resident memory at its highest above where it stood at the start (sampled every 2 ms from
-    /proc/self/statm: what a restore holds besides the live state)."""
-
-    def __init__(self) -> None:
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.above = 0
-        self._stop = threading.Event()
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def __enter__(self) -> PeakRSS:
-        start = self._rss()
-
-        def sample() -> None:
-            while not self._stop.wait(0.002):
-                self.above = max(self.above, self._rss() - start)
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 class Bench:
     def __init__(self, server: dict, live: ts.TrainState, fresh: ts.TrainState, timeout_s: float):
         self.server, self.live, self.fresh, self.timeout_s = server, live, fresh, timeout_s
@@ -262,9 +233,8 @@ class Bench:
 
     def run(self, method: str) -> dict:
         cpu = time.process_time()  # this rank's CPU seconds, obstore's threads included
-        with PeakRSS() as peak:
-            t = getattr(self, method.replace("-", "_"))()
-        return {**t, "cpu": time.process_time() - cpu, "peak_mib": peak.above / MiB}
+        t = getattr(self, method.replace("-", "_"))()
+        return {**t, "cpu": time.process_time() - cpu}
 
     def trainstate(self) -> dict:
         self.scramble()
@@ -400,9 +370,6 @@ def report(result: dict) -> list[str]:
         for m in result["methods"] if m != "trainstate"))
     lines.append("load average (1 min) at each method's start, per rep: " + "; ".join(
         f"{m} " + ",".join(f"{x:.1f}" for x in result["loads"][m]) for m in result["methods"]))
-    lines.append("peak resident memory above the start, MiB per rank, medians: " + "; ".join(
-        f"{m} " + ", ".join(f"{med([p[r].get('peak_mib', 0.0) for p in result['times'][m]]):.0f}"
-                            for r in range(result["world"])) for m in result["methods"]))
     lines.append("cpu s per method, medians: server; rank 0, rank 1, ...: " + "; ".join(
         f"{m} {med(result['server_cpu'][m]):.2f}; " + ", ".join(
             f"{med([p[r]['cpu'] for p in result['times'][m]]):.2f}" for r in range(result["world"]))

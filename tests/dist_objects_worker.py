@@ -76,14 +76,18 @@ def object_faults(out: Path) -> dict:
     result: dict = {"older": older, "newer": newer, "chunks": len(good) // (4 << 20) + 1 if rank == 0 else None}
 
     direct: set[str] = set()
-    real_read_as_loaded = Fetched.read_as_loaded
+    held: dict[str, list[int]] = {}  # what the fetch rounds downloaded into memory, by file
+    real_read_as_loaded, real_fetch = Fetched.read_as_loaded, Fetched.fetch_chunks
     Fetched.read_as_loaded = lambda self, manifest, names: direct.update(names) or real_read_as_loaded(
         self, manifest, names)
+    Fetched.fetch_chunks = lambda self, manifest, name, chunks: held.setdefault(name, []).extend(chunks) or \
+        real_fetch(self, manifest, name, chunks)
     try:
         live, result["damaged"] = _restore(url, opts, seed=7)
     finally:
-        Fetched.read_as_loaded = real_read_as_loaded
+        Fetched.read_as_loaded, Fetched.fetch_chunks = real_read_as_loaded, real_fetch
     result["direct"] = sorted(direct)
+    result["held"] = held
     result["damaged_differs"] = same(full_state_of(live), first)
     real_check = chunked._check
     chunked._check = lambda *a, **k: None  # the control: nothing checked, the damaged generation loads

@@ -335,7 +335,9 @@ def test_a_multi_rank_restore_reads_its_shard_as_it_loads_verified_and_marks_a_h
                      env={"TRAINSTATE_TEST_S3": json.dumps(remote)}).ok("object_faults")
     assert results[0]["chunks"] >= 2, results[0]  # the flipped bit lies past the header chunk
     for rank, r in enumerate(results):
-        assert r["direct"] == [f"shard-{rank:05d}.safetensors"], r  # its own shard, read as it loads
+        own = f"shard-{rank:05d}.safetensors"
+        assert r["direct"] == [own], r  # its own shard, read as it loads: of it only the header's chunk is held
+        assert sorted(set(r["held"][own])) == [0], r["held"]
         damaged, unchecked = r["damaged"], r["unchecked"]
         assert damaged["generation"] == r["older"] and damaged["unusable"] is None, (damaged, r)
         assert damaged["rejected"][0].startswith(r["newer"]) and "chunk" in damaged["rejected"][0], damaged
