@@ -15,6 +15,7 @@ Before (acea423), with the same proxy: a 2-rank FSDP2 restore of 14.2 MB read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections import Counter
@@ -274,6 +275,96 @@ def test_a_remote_restore_that_fails_halfway_leaves_the_state_unusable(moto_serv
             assert "GET refused" in str(raised.value), raised.value  # the cause, not "unreadable (None)"
         with pytest.raises(ts.errors.StateUnusable):
             ckpt.save(live)
+
+
+def _lists(traffic: list) -> Counter:
+    """LIST requests by the prefix they listed."""
+    from urllib.parse import parse_qs, urlsplit
+
+    return Counter(parse_qs(urlsplit(t.path).query).get("prefix", [""])[0].rsplit("/", 2)[-2] + "/"
+                   for t in traffic if t.method == "GET" and "list-type" in t.path)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_save_lists_the_records_once_before_its_first_write(moto_server, proxied, monkeypatch, held):
+    """A save's steps before its first write (interrupted replacements, the name, leftovers, the run identity)
+    each ask for the generations and the set-aside records: one LIST request each, answered from memory after,
+    until the client writes anything; after its commit it lists again. Leftovers are looked for at a manager's
+    first save only (and after a failed one). The control (nothing held) lists once per step."""
+    from trainstate.storage import objectclient
+
+    if not held:
+        monkeypatch.setattr(objectclient.Client, "listings_held", lambda self: contextlib.nullcontext())
+    proxy, options = proxied
+    url = moto_server.url(moto_server.make_bucket(), "run")
+    state = _state(seed=2)
+    lists = []
+    with ts.CheckpointManager(url, storage_options=options) as ckpt:
+        for update in (1, 2):
+            state.next_update = update
+            proxy.traffic.clear()
+            ckpt.save(state)
+            lists.append(_lists(proxy.traffic))
+        names = ckpt.generations()
+    print(json.dumps({"held": held, "lists": lists}))
+    assert names == ["gen-000000000002", "gen-000000000001"]
+    first, steady = lists
+    assert first["attempts/"] == first["staging/"] == 1 and steady["attempts/"] == steady["staging/"] == 0, lists
+    if held:  # the first save: its same-run check (before publishing), the steps before its first write, its prune
+        assert first["commits/"] <= 3 and first["aside/"] <= 1 and steady["commits/"] <= 2, lists
+    else:
+        assert first["commits/"] >= 5 and first["aside/"] >= 2 and steady["commits/"] >= 3, lists
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_save_after_a_failed_one_removes_what_it_left(moto_server, monkeypatch, flagged):
+    """The commit record cannot be written and the attempt's own cleanup fails too: its objects stay. The next
+    save of the same manager looks for leftovers again and removes them. The control (the failure not
+    remembered) leaves them: a steady save does not look."""
+    from trainstate import publish as publish_mod
+    from trainstate.storage import objects as objects_mod
+
+    url = moto_server.url(moto_server.make_bucket(), "run")
+    state = _state(seed=4)
+    with ts.CheckpointManager(url, storage_options=moto_server.storage_options()) as ckpt:
+        ckpt.save(state)
+        real_commit = objects_mod.ObjectStaging.commit
+
+        def refused(self):
+            raise ts.errors.StorageUnavailable("PUT commits/... refused (the test cut it)")
+        monkeypatch.setattr(objects_mod.ObjectStaging, "commit", refused)
+        monkeypatch.setattr(objects_mod.ObjectStaging, "abort", lambda self: None)  # its cleanup fails as well
+        state.next_update = 2
+        with pytest.raises(ts.errors.StorageUnavailable):
+            ckpt.save(state)
+        monkeypatch.setattr(objects_mod.ObjectStaging, "commit", real_commit)
+        left = ckpt.store.leftovers()
+        assert len(left) == 1 and left[0].startswith("gen-000000000002-"), left
+        if not flagged:
+            ckpt._publisher.clean_due = False
+        assert isinstance(ckpt._publisher, publish_mod.Publisher)
+        ckpt.save(state)
+        assert ckpt.store.leftovers() == ([] if flagged else left)
+        assert ckpt.generations() == ["gen-000000000002", "gen-000000000001"]
+
+
+def test_a_held_listing_is_requested_again_after_any_write(moto_server):
+    """Within ``listings_held``: the second listing comes from memory; a write (here the staging marker of
+    another save) makes the next one a request again, which sees it."""
+    from trainstate.storage.objects import ObjectStore
+
+    store = ObjectStore(moto_server.url(moto_server.make_bucket(), "run"),
+                        storage_options=moto_server.storage_options())
+    calls = []
+    real = store.client._call
+    store.client._call = lambda what, key, fn, **kw: calls.append(what) or real(what, key, fn, **kw)
+    with store.listings_held():
+        assert store.client.names("staging/") == [] and store.client.names("staging/") == []
+        assert calls.count("listing") == 1
+        store.client.put("staging/gen-000000000001-0123456789abcdef", b"{}", create=True)
+        assert store.client.names("staging/") == ["gen-000000000001-0123456789abcdef"]
+        assert calls.count("listing") == 2
+    assert store.client.names("staging/") and calls.count("listing") == 3  # outside: every call a request
 
 
 # multi-rank ------------------------------------------------------------------------------------------------------

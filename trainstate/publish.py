@@ -6,8 +6,7 @@ publication protocol, on the caller's thread for a blocking save or on the
 writer thread for a background one:
 
 1. take the directory lock;
-2. decide what happens to an existing generation of the same name
-   (:meth:`Publisher.make_room`);
+2. decide about an existing generation of the name (:meth:`Publisher.make_room`);
 3. remove leftovers of interrupted saves;
 4. preflight: refuse before staging when the disk cannot hold it;
 5. stage, write and fsync every file, write the manifest last, commit
@@ -49,7 +48,7 @@ from .state import changes
 from .state import contract as contract_mod
 from .state import snapshot
 from .state.train_state import TrainState
-from .storage.base import Store
+from .storage.base import Store, listings_held
 from .storage.verify import Verified, point_at, read_pointed, verify_generation
 
 log = logging.getLogger("trainstate")
@@ -76,13 +75,9 @@ class Pending:
 
     def changed_bytes(self, manifest: Manifest, store: Store | None = None) -> list[str] | None:
         """Whether the tensor file this would write differs from ``manifest``'s, by digest: ``["tensor bytes"]``
-        or ``[]``; ``None`` where the bytes are known only once written (a multi-rank share).
-
-        Proof by content, not by any signal that a tensor was touched: an
-        in-place update under ``no_grad``, a write through ``.data`` or a
-        NumPy view, an EMA swap or a generator's new state all show here.
-        Digested in memory (no disk written), in the generation's own algorithm.
-        """
+        or ``[]``; ``None`` where the bytes are known only once written (a multi-rank share). Proof by content,
+        not by a signal that a tensor was touched (an update under ``no_grad``, a write through ``.data`` or a
+        NumPy view, an EMA swap, a generator's new state all show); digested in memory, in its own algorithm."""
         if manifest.fingerprints:  # format 4: the tensors are spread over files; compare their fingerprints
             if self.fingerprints is None:
                 self.fingerprints = changes.fingerprints(self.tensors)
@@ -144,12 +139,9 @@ def policy_record(policy: Retention) -> dict[str, Any]:
 
 def prepare(state: TrainState, retention: Retention, *, weights_only: bool, include_grads: bool,
             metrics: Mapping[str, float] | None) -> Pending:
-    """Everything a generation holds, taken from the live state at one boundary.
-
-    A full generation becomes the state's parent at once, so the next one
-    descends from it even while it is being written; :func:`roll_back` undoes
-    that if the publication fails.
-    """
+    """Everything a generation holds, taken from the live state at one boundary. A full generation becomes the
+    state's parent at once, so the next one descends from it even while it is written (:func:`roll_back` undoes
+    that if the publication fails)."""
     kind = "weights" if weights_only else "full"
     recorded = check_metrics(metrics)
     if kind == "full" and state.pending_gradients and not include_grads:
@@ -178,10 +170,7 @@ def prepare(state: TrainState, retention: Retention, *, weights_only: bool, incl
 
 
 def roll_back(pending: Pending, state: TrainState) -> bool:
-    """After a failed publication, the state again descends from what was actually published.
-
-    Returns whether the state's parent changed back.
-    """
+    """After a failed publication, the state again descends from what was published; whether its parent changed."""
     if pending.kind == "full" and state.parent == pending.prepared:
         state.parent = pending.parent
         return True
@@ -193,14 +182,9 @@ class Publisher:
 
     def __init__(self, store: Store, lifecycle: Lifecycle, retention: Retention, *, key: SigningKey | None,
                  verify_mode: str, rehearse_factory: Factory | None, preflight: bool, headroom: float):
-        self.store = store
-        self.lifecycle = lifecycle
-        self.retention = retention
-        self.key = key
-        self.verify_mode = verify_mode
-        self.rehearse_factory = rehearse_factory
-        self.preflight = preflight
-        self.headroom = headroom
+        self.store, self.lifecycle, self.retention, self.key = store, lifecycle, retention, key
+        self.verify_mode, self.rehearse_factory, self.preflight, self.headroom = (verify_mode, rehearse_factory,
+                                                                                  preflight, headroom)
         self.published: str | None = None  # the last generation whose pointer move completed
         self.renamed: dict[str, str] = {}  # prepared name -> the generation it was published as, or found in
         self.after_publish: Callable[[str], None] | None = None  # told each published name (a mirror's uploader)
@@ -209,6 +193,7 @@ class Publisher:
         self.known: dict[str, tuple[Manifest, int]] = {}  # the last generation staged here, for the next save
         self.incremental_saves = 0  # incremental saves planned here: every full_every-th probes (incremental.take)
         self.checked: dict[tuple[int, int], tuple[int, int]] = {}  # part files found intact (incremental.intact)
+        self.clean_due = True  # an object store's leftovers: looked for at the first save, and after a failed one
 
     def publish(self, p: Pending) -> GenerationInfo:
         """Publish ``p``: durable, verified and named by its pointer when this returns.
@@ -219,6 +204,14 @@ class Publisher:
         as a revision that supersedes it (:meth:`make_room`).
         """
         self.store.lock()
+        with listings_held(self.store):  # an object store: the steps before the first write list the records once
+            try:
+                return self._publish(p)
+            except BaseException:
+                self.clean_due = True  # a failed save may leave its staging behind: the next one looks
+                raise
+
+    def _publish(self, p: Pending) -> GenerationInfo:  # (see publish)
         self.finish_interrupted_replacements()
         existing = self.make_room(p)
         if isinstance(existing, GenerationInfo):
@@ -241,13 +234,17 @@ class Publisher:
                 self.after_publish(p.name)
             self.prune({p.kind: p.name})
         except Exception as exc:
+            self.clean_due = True  # (a prune that stopped halfway leaves objects no record names)
             log.error("%s is published, but cleaning up after it failed (%r); the next save retries", p.name, exc)
         return info
 
     def _publish_new(self, p: Pending) -> GenerationInfo:
         """Steps 3 to 8: everything up to and including the pointer move."""
-        for leftover in self.store.clean_leftovers():
-            log.info("removed leftover %s from an interrupted save", leftover)
+        if self.clean_due or not getattr(self.store, "remote", False):  # (a local scan costs one system call; an
+            # object store's several listings: while this process holds the lease no other writes the run)
+            for leftover in self.store.clean_leftovers():
+                log.info("removed leftover %s from an interrupted save", leftover)
+            self.clean_due = False
         p.extra["run"] = self.run_identity()
         if self.preflight:
             self.check_space(p.name, p.estimated_bytes)
@@ -487,11 +484,9 @@ class Publisher:
 
     # 9. prune -------------------------------------------------------------------
     def prune(self, published: dict[str, str]) -> None:
-        """Prune by policy, anchored on what was just published (and the other kind's verified pointer).
-
-        Runs only once the pointer has moved; the caller logs rather than raises its failures.
-        """
-        anchors = {**self.lifecycle.anchors(), **published}
+        """Prune by policy, anchored on what was just published (and the other kind's verified pointer, read
+        here). Runs only once the pointer has moved; the caller logs rather than raises its failures."""
+        anchors = {**self.lifecycle.anchors([k for k in ("full", "weights") if k not in published]), **published}
         try:
             self.lifecycle.prune(self.retention, anchors)
         except CorruptGeneration as exc:  # a damaged pins file: prune nothing rather than guess what it pinned

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from ..errors import CorruptGeneration, GenerationNotFound, InvalidArgument, PinNotFound
 from ..format.manifest import (PINS, POINTER, WEIGHTS_POINTER, Manifest, check_name, generation_order,
@@ -81,10 +81,10 @@ class Lifecycle:
             return generation
 
     # what the plan needs -----------------------------------------------------
-    def anchors(self) -> dict[str, str | None]:
+    def anchors(self, kinds: Iterable[str] = ("full", "weights")) -> dict[str, str | None]:
         """For each kind, the generation its pointer names, if that generation verifies (structure)."""
         return {kind: None if found is None else found.generation
-                for kind, found in ((k, self._anchored(k)) for k in ("full", "weights"))}
+                for kind, found in ((k, self._anchored(k)) for k in kinds)}
 
     def _anchored(self, kind: str) -> Manifest | None:
         """The manifest of the generation the pointer of ``kind`` names, if it verifies (structure)."""

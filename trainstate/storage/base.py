@@ -144,3 +144,10 @@ def pinned(store: Any) -> AbstractContextManager[None]:
     verification, one export); a no-op for a store without records (a local directory)."""
     pin = getattr(store, "pinned", None)
     return pin() if pin is not None else contextlib.nullcontext()
+
+
+def listings_held(store: Any) -> AbstractContextManager[None]:
+    """A scope in which an object store lists its records once until it writes anything (one save's steps before
+    its first write each ask); a no-op for a local directory, whose listings cost a system call."""
+    held = getattr(store, "listings_held", None)
+    return held() if held is not None else contextlib.nullcontext()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ _SETTINGS = {"s3": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or storage_options 
 T = TypeVar("T")
 _DENIED = re.compile(r"status code: 403\b|\b403 Forbidden\b|AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId")
 _BACKOFF_S = (0.1, 0.3, 1.0, 3.0)  # our own retries of a replayable request, after the client's
+_WRITES = frozenset({"writing", "copying", "uploading", "deleting"})  # what _call is told a request does
 
 
 class Taken(Exception):
@@ -69,6 +71,28 @@ class Client:
             self.store = from_url(self.url, **options)
         except Exception as exc:  # an unknown option, a malformed endpoint
             raise InvalidArgument(f"cannot use {url!r} with storage_options {sorted(options)}: {exc}") from None
+        self._listed: dict[tuple[str, bool], list[str]] | None = None  # names() within listings_held()
+        self._holders = 0
+        self._writes = 0  # every write through this client: a listing made before one is not kept after it
+        self._memo_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def listings_held(self) -> Iterator[None]:
+        """Within, each :meth:`names` listing is requested once and answered from memory after, until this
+        client writes or deletes anything (any key: then every listing is requested again). One save asks
+        for the generations and the set-aside records several times before its first write (interrupted
+        replacements, the name, leftovers), each a LIST request on the server."""
+        with self._memo_lock:
+            self._holders += 1
+            if self._listed is None:
+                self._listed = {}
+        try:
+            yield
+        finally:
+            with self._memo_lock:
+                self._holders -= 1
+                if not self._holders:
+                    self._listed = None
 
     # mapping -----------------------------------------------------------------
     def _call(self, what: str, key: str, fn: Callable[[], T], *, replayable: bool = True) -> T:
@@ -76,6 +100,15 @@ class Client:
         can be replayed. The client retries 5xx answers itself, but not a connection that broke mid-request
         for a conditional put: the caller resolves that ambiguity (a create that had landed reads back as
         ours), so replaying here never commits twice."""
+        if what not in _WRITES:
+            return self._attempts(what, key, fn, replayable)
+        self._forget_listings()
+        try:
+            return self._attempts(what, key, fn, replayable)
+        finally:  # (a listing made while the write was in flight is not kept either)
+            self._forget_listings()
+
+    def _attempts(self, what: str, key: str, fn: Callable[[], T], replayable: bool) -> T:
         for delay in (*_BACKOFF_S, None) if replayable else (None,):
             try:
                 return self._mapped(what, key, fn)
@@ -84,6 +117,12 @@ class Client:
                     raise
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _forget_listings(self) -> None:
+        with self._memo_lock:
+            self._writes += 1
+            if self._listed:
+                self._listed.clear()
 
     def _mapped(self, what: str, key: str, fn: Callable[[], T]) -> T:
         from obstore import exceptions as ox
@@ -180,10 +219,19 @@ class Client:
         """Names directly under ``prefix`` (``folders``: the sub-prefixes instead of the objects)."""
         import obstore
 
+        with self._memo_lock:
+            held, writes = self._listed, self._writes
+            if held is not None and (prefix, folders) in held:
+                return list(held[(prefix, folders)])
         listing = self._call("listing", prefix, lambda: obstore.list_with_delimiter(self.store, prefix.rstrip("/")))
         if folders:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in listing["common_prefixes"]]
-        return [o["path"].rsplit("/", 1)[-1] for o in listing["objects"]]
+            out = [p.rstrip("/").rsplit("/", 1)[-1] for p in listing["common_prefixes"]]
+        else:
+            out = [o["path"].rsplit("/", 1)[-1] for o in listing["objects"]]
+        with self._memo_lock:
+            if self._listed is not None and self._writes == writes:  # no write since the request was made
+                self._listed[(prefix, folders)] = list(out)
+        return out
 
     def listing(self, prefix: str) -> dict[str, int]:
         """Every object under ``prefix``, recursively: path to size."""

@@ -270,12 +270,21 @@ class ObjectStore:
         return sorted(a for a in found if a not in named and _ATTEMPT_RE.fullmatch(a))
 
     def _named_attempts(self) -> Iterator[str]:
-        for folder, names in (("commits", self.client.names("commits/")), ("aside", self.client.names("aside/"))):
-            for name in names:
-                data = self.client.get_small(f"{folder}/{name}")
-                if data is not None:
-                    with contextlib.suppress(CorruptGeneration):
-                        yield _parse_record(data, f"{folder}/{name}")
+        for name in self.client.names("commits/"):  # (each record read once while this store holds the lease)
+            with contextlib.suppress(CorruptGeneration):
+                attempt = self._attempt_or_none(name)
+                if attempt is not None:
+                    yield attempt
+        for name in self.client.names("aside/"):
+            data = self.client.get_small(f"aside/{name}")
+            if data is not None:
+                with contextlib.suppress(CorruptGeneration):
+                    yield _parse_record(data, f"aside/{name}")
+
+    def listings_held(self) -> contextlib.AbstractContextManager[None]:
+        """A scope in which each listing of the records is requested once until this store writes anything (one
+        save's steps before its first write: :meth:`Client.listings_held`)."""
+        return self.client.listings_held()
 
     # writing -----------------------------------------------------------------
     def begin(self, generation: str) -> ObjectStaging:
