@@ -310,6 +310,8 @@ def test_a_save_lists_the_records_once_before_its_first_write(moto_server, proxi
     assert names == ["gen-000000000002", "gen-000000000001"]
     first, steady = lists
     assert first["attempts/"] == first["staging/"] == 1 and steady["attempts/"] == steady["staging/"] == 0, lists
+    new = [n for prefix, n in steady.items() if prefix.startswith("gen-000000000002-")]
+    assert new == [2], lists  # the new generation's files: its check after the commit, then the prune's
     if held:  # the first save: its same-run check (before publishing), the steps before its first write, its prune
         assert first["commits/"] <= 3 and first["aside/"] <= 1 and steady["commits/"] <= 2, lists
     else:

@@ -152,13 +152,13 @@ class Lifecycle:
         ``verify`` always read afresh.
         """
         identity = getattr(self.store, "identity", None)
-        listing = (tuple(sorted(self.store.files(name).items(), key=lambda kv: kv[0])),
-                   identity(name) if identity is not None else None)
+        files = self.store.files(name)
+        listing = (tuple(sorted(files.items(), key=lambda kv: kv[0])), identity(name) if identity is not None else None)
         cached = self._checked.get(name)
         if cached is not None and cached[0] == listing:
             return cached[1]
         manifest = self.structure_check(name) if self.structure_check is not None else \
-            verify_generation(self.store, name, content=False, key=self.key).manifest
+            verify_generation(self.store, name, content=False, key=self.key, listed=files).manifest
         self._checked[name] = (listing, manifest)
         return manifest
 

@@ -100,25 +100,28 @@ def read_manifest(store: Store, generation: str, pointer: Pointer | None = None,
 
 
 def verify_generation(store: Store, generation: str, pointer: Pointer | None = None, *, content: bool = True,
-                      key: SigningKey | None = None, on_bytes: OnBytes | None = None) -> Verified:
+                      key: SigningKey | None = None, on_bytes: OnBytes | None = None,
+                      listed: dict[str, int | None] | None = None) -> Verified:
     """Check the file set and sizes, and with ``content`` every file's digest and that the state decodes.
 
     With ``content`` it decodes the state exactly as restore does (a preview:
     large tensors are digested, not kept), so a generation that passes
     ``trainstate verify`` is one restore accepts, short of a mismatch with the
-    live objects it is restored into.
+    live objects it is restored into. ``listed``: ``store.files(generation)``
+    as the caller listed it a moment ago (not listed again).
     """
     with pinned(store):  # an object store reads the commit record once, not once per file
-        return _verify_generation(store, generation, pointer, content=content, key=key, on_bytes=on_bytes)
+        return _verify_generation(store, generation, pointer, content=content, key=key, on_bytes=on_bytes,
+                                  listed=listed)
 
 
 def _verify_generation(store: Store, generation: str, pointer: Pointer | None, *, content: bool,
-                       key: SigningKey | None, on_bytes: OnBytes | None) -> Verified:
+                       key: SigningKey | None, on_bytes: OnBytes | None, listed: dict | None = None) -> Verified:
     manifest, digest, size = read_manifest(store, generation, pointer, key)
     try:
-        present = store.files(generation)
+        present = store.files(generation) if listed is None else listed
     except OSError as exc:
-        raise CorruptGeneration(generation, f"cannot list files ({exc.strerror})") from None
+        raise CorruptGeneration(generation, f"cannot list files ({_why(exc)})") from None
     expected = {f.name: f for f in manifest.files}
     unknown = sorted(set(present) - set(expected) - {MANIFEST})
     if unknown:
