@@ -239,14 +239,18 @@ class _SparseReader(SeekableReader):
         while done < len(out) and self._pos < self._sparse.size:
             index, within = divmod(self._pos, CHUNK_BYTES)
             chunk = self._sparse.chunks.get(index)
-            if chunk is None:
-                raise TrainStateError(f"{self._where}: byte {self._pos} was read but never fetched (a restore must "
-                                      "fetch what it reads); please report this")
+            chunk = self._unfetched(index) if chunk is None else chunk
             n = min(len(out) - done, len(chunk) - within)
+            if n <= 0:
+                break  # (a short object: the reader that expected more says so)
             out[done:done + n] = chunk[within:within + n]
             self._pos += n
             done += n
         return done
+
+    def _unfetched(self, index: int) -> memoryview:
+        raise TrainStateError(f"{self._where}: byte {self._pos} was read but never fetched (a restore must fetch "
+                              "what it reads); please report this")
 
     def read(self, size: int | None = -1) -> bytes:
         left = self._sparse.size - self._pos
@@ -255,7 +259,7 @@ class _SparseReader(SeekableReader):
         return bytes(buffer[:self.readinto(buffer)])
 
 
-class _RangedReader(SeekableReader):
+class _RangedReader(_SparseReader):
     """A file read from the store in whole-chunk ranged GETs, each chunk once: what it read stays in ``held``
     (shared by the file's readers in one restore, unverified: each reader checks what it uses), and
     :meth:`span_reader` fetches any span. For a shard read as it loads: its header chunk is read first, and the
@@ -264,28 +268,19 @@ class _RangedReader(SeekableReader):
     keeps_reads = True
 
     def __init__(self, fetch: Any, size: int, held: dict[int, memoryview]):
-        self._fetch, self._size, self.held, self._pos = fetch, size, held, 0
+        sparse = _Sparse(size)
+        sparse.chunks = held
+        super().__init__(sparse, "")
+        self._fetch = fetch
 
     @property
-    def size(self) -> int:
-        return self._size
+    def held(self) -> dict[int, memoryview]:  # (chunked._ranged_chunks places these rather than fetching them)
+        return self._sparse.chunks
 
     def span_reader(self) -> Any:
         return self._fetch
 
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        done = 0
-        while done < len(out) and self._pos < self._size:
-            index, within = divmod(self._pos, CHUNK_BYTES)
-            chunk = self.held.get(index)
-            if chunk is None:
-                lo = index * CHUNK_BYTES
-                chunk = self.held[index] = memoryview(self._fetch(lo, min(self._size, lo + CHUNK_BYTES))).cast("B")
-            n = min(len(out) - done, len(chunk) - within)
-            if n <= 0:
-                break  # (a short object: the reader that expected more says so)
-            out[done:done + n] = chunk[within:within + n]
-            self._pos += n
-            done += n
-        return done
+    def _unfetched(self, index: int) -> memoryview:
+        lo = index * CHUNK_BYTES
+        chunk = self._sparse.chunks[index] = memoryview(self._fetch(lo, min(self.size, lo + CHUNK_BYTES))).cast("B")
+        return chunk
