@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -877,9 +878,10 @@ def golden_reshard(out: Path) -> dict:
     return {"restored": info.generation.name, "saved": saved.name}
 
 
-def main(scenarios: dict | None = None) -> int:
+def main(scenarios: dict | None = None) -> NoReturn:
     """Run the scenarios named on the command line (from ``scenarios``, default this file's), each rank writing
-    ``OUT/<scenario>/rank<r>.json``; other workers (``tier_worker.py``...) pass their own."""
+    ``OUT/<scenario>/rank<r>.json``; other workers (``tier_worker.py``...) pass their own. Ends the process
+    (:func:`exit_now`): 1 if a scenario failed."""
     scenarios = SCENARIOS if scenarios is None else scenarios
     out, names = Path(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("gloo")
@@ -899,7 +901,18 @@ def main(scenarios: dict | None = None) -> int:
         result["seconds"] = round(time.monotonic() - started, 2)
         (where / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1, default=str))
     dist.destroy_process_group()
-    return status
+    exit_now(status)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End a rank once every result is written and the process group destroyed, skipping the interpreter's
+    teardown, as the drill's worker does. That teardown frees torch's objects while gloo's threads may still hold
+    tensors over Python memory; a rank aborted there (SIGABRT, "terminate called without an active exception")
+    after its scenario had passed, and its peers' torchrun agent then waited in its exit barrier until the launch
+    timed out. The teardown also costs seconds per launch."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

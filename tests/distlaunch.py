@@ -92,7 +92,7 @@ def launch(out: Path, scenarios: list[str], *, ranks: int = 2, env: dict | None 
                str(worker), str(out), *scenarios]
     marker = f"{_MARKER}=trainstate-{os.getpid()}-{uuid.uuid4().hex[:12]}"  # how cleanup finds every rank
     environment = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                   **(env or {}), **dict([marker.split("=", 1)])}
+                   "PYTHONFAULTHANDLER": "1", **(env or {}), **dict([marker.split("=", 1)])}  # a crash shows threads
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
                             start_new_session=True)
     try:

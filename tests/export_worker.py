@@ -14,6 +14,7 @@ weights (gathered) with safetensors as the reference the test saves from a singl
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -162,4 +163,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # past the interpreter's teardown of torch: see dist_worker.exit_now

@@ -90,8 +90,8 @@ def launch_nodes(out: Path, node_dirs: list[Path], scenarios: list[str], *, work
     port, run_id = free_port(), f"trainstate-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     host = min(range(nodes), key=lambda i: start_delays[i])  # the first agent up serves the rendezvous store
     marker = f"TRAINSTATE_TEST_LAUNCH={run_id}"  # inherited by every agent and rank: how cleanup finds them
-    base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {}),
-            **dict([marker.split("=", 1)])}
+    base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1", **(env or {}), **dict([marker.split("=", 1)])}  # a crash shows every thread
     began = time.monotonic()
     deadline = began + timeout
     procs: dict[int, subprocess.Popen] = {}
@@ -126,7 +126,7 @@ def launch_nodes(out: Path, node_dirs: list[Path], scenarios: list[str], *, work
                        [path.read_text(errors="replace") for path in log_paths], nproc)
 
 
-def _tails(paths: list[Path], procs: dict[int, subprocess.Popen], chars: int = 3000) -> str:
+def _tails(paths: list[Path], procs: dict[int, subprocess.Popen], chars: int = 6000) -> str:
     return "\n".join(f"--- agent {i} (exit {procs[i].returncode if i in procs else 'not started'}) ---\n"
                      + (path.read_text(errors="replace")[-chars:] if path.exists() else "")
                      for i, path in enumerate(paths))
