@@ -48,7 +48,9 @@ def object_faults(out: Path) -> dict:
     """Two generations; the newer's shard of rank 0 gets one flipped bit in its last chunk (by rank 0, through the
     store's own client), then: a restore falls back to the older one bitwise, and its control (chunk checks off)
     loads the damaged one; with the bytes put back, a read that fails halfway (rank 0's GETs past the header chunk
-    refused) leaves every rank's state unusable and its save refused, and its control (nothing marked) saves."""
+    refused) leaves every rank's state unusable and its save refused, and its control (nothing marked) saves; a store
+    that does not answer rank 1 in a fetch round fails the restore on every rank (StorageUnavailable, nothing
+    loaded), and its control (counted as damage) resumes from the older generation."""
     from trainstate.distributed import load as load_mod
     from trainstate.storage import chunked
     from trainstate.storage.fetched import Fetched
@@ -120,6 +122,24 @@ def object_faults(out: Path) -> dict:
             Fetched._download, load_mod.mark_unusable = real_download, real_mark
         got["save"] = _try_save(url, opts, live)
         result["cut" if marking else "cut_unmarked"] = got
+
+    def down(self, generation, name, spans):  # rank 1's GETs of the newer generation, in the fetch rounds
+        if generation == newer:
+            raise ts.StorageUnavailable(f"GET {name} failed after the client's retries (the test cut it)")
+        return real_download(self, generation, name, spans)
+
+    for raising in (True, False):
+        if rank == 1:
+            Fetched._download = down
+        real_raise = load_mod.raise_unavailable
+        if not raising:  # the control: a store that did not answer counts as damage, the older generation loads
+            load_mod.raise_unavailable = lambda reports: None
+        try:
+            live, got = _restore(url, opts, seed=7)
+        finally:
+            Fetched._download, load_mod.raise_unavailable = real_download, real_raise
+        got["differs_older"] = same(full_state_of(live), first)
+        result["unavailable" if raising else "unavailable_fell_back"] = got
     return result
 
 

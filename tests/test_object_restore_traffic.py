@@ -227,10 +227,10 @@ def test_a_late_damaged_chunk_of_a_remote_generation_falls_back_bitwise(moto_ser
 @pytest.mark.parametrize("fault", ["unavailable", "memory", "control"])
 def test_a_remote_restore_that_fails_halfway_leaves_the_state_unusable(moto_server, monkeypatch, fault):
     """The last ranged GET of a restore streaming the tensor file into live tensors fails, after the others placed
-    their chunks, over a state restored completely before: the store stops answering (StorageUnavailable: the
-    generation is unreadable, no other one verifies) or the process runs out of memory (MemoryError, raised as
-    it is). Either way the state holds part of the generation and is unusable: its save is refused. The control
-    (nothing marks it) saves the mix of two states."""
+    their chunks, over a state restored completely before: the store stops answering (StorageUnavailable) or the
+    process runs out of memory (MemoryError); each is raised as it is, no other generation tried. Either way the
+    state holds part of the generation and is unusable: its save is refused. The control (nothing marks it) saves
+    the mix of two states."""
     import time
 
     from trainstate import restore as restore_mod
@@ -262,7 +262,7 @@ def test_a_remote_restore_that_fails_halfway_leaves_the_state_unusable(moto_serv
         monkeypatch.setattr(chunked, "_ranged_chunks", cut)
         if fault == "control":
             monkeypatch.setattr(restore_mod, "mark_unusable", lambda *a, **k: None)
-        with pytest.raises(ts.errors.NoValidGeneration if fault == "unavailable" else MemoryError) as raised:
+        with pytest.raises(StorageUnavailable if fault == "unavailable" else MemoryError) as raised:
             ckpt.restore(live)
         monkeypatch.undo()
         assert [k for k, v in _tensors(live).items() if k.startswith("m.") and v.any()], "the cut came too early"
@@ -419,8 +419,10 @@ def test_a_multi_rank_restore_reads_its_shard_as_it_loads_verified_and_marks_a_h
     flipped in the last chunk of rank 0's shard of the newest generation is found there: every rank passes over
     it to the previous generation, which loads completely, bitwise. A read that fails halfway (the store refuses
     rank 0's GETs after the header chunk) fails the restore on every rank and leaves every rank's state unusable:
-    its save is refused. Controls: with the chunk checks off the damaged generation loads; with nothing marked,
-    the half-loaded state is saved."""
+    its save is refused. A store that stops answering one rank in a fetch round (StorageUnavailable past the
+    client's retries) fails the restore on every rank, nothing loaded, rather than resuming from an older
+    generation. Controls: with the chunk checks off the damaged generation loads; with nothing marked, the
+    half-loaded state is saved; with the outage counted as damage, the older generation loads."""
     url = moto_server.url(moto_server.make_bucket(), "run")
     remote = {"url": url, "storage_options": moto_server.storage_options()}
     worker = Path(__file__).resolve().parent / "dist_objects_worker.py"
@@ -440,3 +442,8 @@ def test_a_multi_rank_restore_reads_its_shard_as_it_loads_verified_and_marks_a_h
         assert cut.get("outcome") and cut["unusable"] and "connection reset" in cut["unusable"], cut
         assert cut["save"] == "StateUnusable", cut
         assert control.get("outcome") and control["unusable"] is None and control["save"].startswith("gen-"), control
+        down, fell_back = r["unavailable"], r["unavailable_fell_back"]
+        assert down.get("outcome") == "StorageUnavailable" and down["unusable"] is None, down
+        assert "rank 1: GET" in down["message"] and "loaded nothing" in down["message"], down
+        assert fell_back.get("generation") == r["older"] and fell_back["rejected"][0].startswith(r["newer"]), fell_back
+        assert fell_back["differs_older"] == [], fell_back

@@ -347,6 +347,47 @@ def test_a_fault_that_outlasts_the_retries_fails_the_save_and_publishes_nothing(
             assert ckpt.latest() == generation_name(2)
 
 
+@pytest.mark.parametrize("control", [False, True])
+def test_a_store_that_stops_answering_mid_restore_raises_and_passes_over_nothing(moto_server, bucket, monkeypatch,
+                                                                              control):
+    """Every GET of the newest generation's objects answers 503, past the client's retries: the restore raises
+    StorageUnavailable (a supervisor restarts on it), loads nothing, and does not resume from the older generation,
+    whose bytes answer but are two updates behind. Once the store answers, the newest loads. The control (a read
+    the store did not answer counted as damage, as before) resumes from the older generation."""
+    from trainstate.errors import EXIT_FAILED, CorruptGeneration
+    from trainstate.storage import verify
+
+    with FaultProxy(moto_server.endpoint) as proxy:
+        opts = moto_server.storage_options(endpoint=proxy.endpoint, retry_config={"max_retries": 1})
+        url = _url(moto_server, bucket)
+        with ts.CheckpointManager(url, storage_options=opts) as ckpt:
+            state = _fresh(2)
+            for _ in range(2):
+                step(state)
+                ckpt.save(state)
+            saved = full_state(state)
+        if control:
+            monkeypatch.setattr(verify, "unreadable", lambda where, exc, what="unreadable":
+                                CorruptGeneration(where, f"{what} ({exc})"))
+        fresh = _fresh(5)
+        untouched = full_state(_fresh(5))
+        newest = f"attempts/{ObjectStore(url, storage_options=opts)._attempt(generation_name(2))}/"
+        with ts.CheckpointManager(url, storage_options=opts) as ckpt:
+            proxy.fail(1, "503", method="GET", path_contains=newest, times=10_000)  # its objects, after the constructor
+            if control:
+                info = ckpt.restore(fresh)
+                assert info.generation.name == generation_name(1) and info.rejected[0].generation == generation_name(2)
+                return
+            with pytest.raises(ts.StorageUnavailable, match="retries") as raised:
+                ckpt.restore(fresh)
+            assert ts.exit_code_for(raised.value) == EXIT_FAILED  # NoValidGeneration would stop a supervisor
+            assert ts.unusable_reason(fresh) is None
+            assert_same(full_state(fresh), untouched)
+            proxy.clear()
+            assert ckpt.restore(fresh).generation.name == generation_name(2)
+        assert_same(full_state(fresh), saved)
+
+
 # the writer lease ----------------------------------------------------------------------------------------------
 _HOLDER = """
 import json, os, sys, time

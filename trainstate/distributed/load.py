@@ -49,7 +49,7 @@ from .capture import contract_fields, loaded_in_place, sharded_state
 from .commit import rank_json, rank_tensors, verify_share
 from .group import Ranks
 from .planner import LoadPlanner
-from .share import fetch_share
+from .share import fetch_share, problem_of, raise_unavailable
 from .storage import DCP_METADATA, Reader, metadata_from_json
 
 log = logging.getLogger("trainstate")
@@ -187,6 +187,7 @@ def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str |
         fatal = [r[1:] for r in reports if r.startswith("!")]
         if fatal:
             raise StateMismatch(fatal[0])
+        raise_unavailable(reports)
         failed = {r: text for r, text in enumerate(reports) if text}
         if not failed:
             return (verified, parts), tuple(rejected)
@@ -213,7 +214,7 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
             # the shards' chunks are verified as DCP loads them (one pass, storage.Reader); the rest here
             verify_share(held, verified.manifest, ranks, skip=_loaded_verified(verified.manifest) if one_pass else ())
     except (CorruptGeneration, OSError) as exc:
-        problem = f"{exc}"
+        problem = problem_of(exc)
     except StateMismatch as exc:
         problem = f"!{exc}"
     if isinstance(held, Fetched):  # remote: every rank's share downloaded once, together (collective)
@@ -228,7 +229,7 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
             parts["verify_shards"] = frozenset(held.direct) if isinstance(held, Fetched) else \
                 frozenset(_loaded_verified(verified.manifest) if one_pass else ())
         except (CorruptGeneration, OSError) as exc:
-            problem = f"{exc}"
+            problem = problem_of(exc)
         except StateMismatch as exc:
             problem = f"!{exc}"
     return verified, parts, problem

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CorruptGeneration
+from ..errors import CorruptGeneration, StorageUnavailable
 from ..format import tensorfile
 from ..format.digest import CHUNK_BYTES
 from ..format.manifest import STATE
@@ -34,6 +34,23 @@ from .planner import LoadPlanner
 from .storage import DCP_METADATA, metadata_from_json
 
 Wanted = dict[str, list[int]]  # file -> chunk indices (see Fetched.missing)
+UNAVAILABLE = "~"  # starts a rank's problem when the store did not answer (not damage: see raise_unavailable)
+
+
+def problem_of(exc: BaseException) -> str:
+    """A rank's problem with a candidate, as the others learn it: damage, or (marked) a store that did not answer."""
+    return f"{UNAVAILABLE}{exc}" if isinstance(exc, StorageUnavailable) else f"{exc}"
+
+
+def raise_unavailable(reports: list[str]) -> None:
+    """On every rank, :class:`StorageUnavailable` when the store did not answer some rank (after the client's
+    retries): those bytes may be intact, so no candidate is passed over for it (a restore would resume from an
+    older generation, or find none and call a transient outage permanent). Nothing live changed yet."""
+    down = [(rank, text[len(UNAVAILABLE):]) for rank, text in enumerate(reports) if text.startswith(UNAVAILABLE)]
+    if down:
+        rank, text = down[0]
+        raise StorageUnavailable(f"rank {rank}: {text.rstrip('.')}. The restore loaded nothing; call it again once "
+                                 "the store answers")
 
 
 def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted, problem: str,
@@ -63,7 +80,7 @@ def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted
         for name, chunks in plan[ranks.rank].items():
             fetched.fetch_chunks(manifest, name, chunks)
     except (CorruptGeneration, OSError) as exc:
-        error = f"{exc}"
+        error = problem_of(exc)
     if any(ranks.all_gather(error, "fetch")):
         return error, False
     for source in range(ranks.world_size):
@@ -169,7 +186,7 @@ def fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict |
                 wanted = {name: chunks for name, chunks in step(fetched, manifest, ranks, templates, state).items()
                           if chunks}
             except (CorruptGeneration, OSError) as exc:
-                problem = f"{exc}"
+                problem = problem_of(exc)
         header_starts = step is _want_header_starts
         more = not header_starts or state["partial"]  # after the header starts: partial shards only
         offered = tuple(n for n in state["whole"] if n in wanted) if header_starts and not problem else ()
@@ -187,7 +204,7 @@ def fetch_share(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict |
                 if any(_want_pieces(fetched, manifest, ranks, templates, state).values()):
                     problem = f"{manifest.generation}: a shard read whole is not whole in memory"
             except (CorruptGeneration, OSError) as exc:
-                problem = f"{exc}"
+                problem = problem_of(exc)
             break
     return problem, True
 

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CorruptGeneration, TrainStateError
+from ..errors import CorruptGeneration, StorageUnavailable, TrainStateError
 from ..format.digest import CHUNK_BYTES
 from ..format.manifest import MANIFEST
 from ..storage.fetched import Fetched
 from .group import Ranks, _global_rank, collective
-from .share import chunk_tensor
+from .share import UNAVAILABLE, chunk_tensor, problem_of
 from .tiers import Tier
 
 log = logging.getLogger("trainstate")
@@ -160,6 +160,8 @@ class Holdings(Fetched):
             reads, relays, sends = self._plan([a["wanted"] for a in asks])
             bad, error = _exchange(self, fetched, manifest, ranks, reads[ranks.rank], relays[ranks.rank], sends)
             reports = ranks.all_gather({"bad": bad, "error": error}, "fetch")
+            if any(r["error"].startswith(UNAVAILABLE) for r in reports):
+                return error, False  # the remote did not answer: no copy is to blame, and none is passed over
             if not any(r["bad"] for r in reports):
                 return "", True
             gone = self._drop_damaged(reports, manifest)
@@ -260,6 +262,9 @@ def _exchange(view: Holdings, fetched: Fetched, manifest: Any, ranks: Ranks, rea
 
     def failed(rank: int, name: str, exc: BaseException, how: str) -> None:
         nonlocal error
+        if isinstance(exc, StorageUnavailable):  # not damage: the restore stops (share.raise_unavailable)
+            error = problem_of(exc)
+            return
         if [rank, name] not in bad:
             bad.append([rank, name])
         error = error or f"{exc} ({how})"

@@ -44,6 +44,7 @@ from ..records import RestoreInfo
 from ..state.train_state import TrainState
 from . import load
 from .group import Ranks
+from .share import raise_unavailable
 from .tierfetch import Holdings
 from .tiers import (Tier, broadcast_bytes, holdings, node_files, parse_shared_manifest, placement, rank_files,
                     verified_from)
@@ -105,6 +106,7 @@ def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[A
                 fatal = [r[1:] for r in reports_ if r.startswith("!")]
                 if fatal:
                     raise StateMismatch(fatal[0])
+                raise_unavailable(reports_)
                 failed = {r: text for r, text in enumerate(reports_) if text}
                 if failed:
                     rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))

@@ -19,7 +19,7 @@ import torch
 from ..format import tensorfile
 from ..format.codec import decode
 from ..format.digest import digest_bytes, digest_stream, is_chunked, new_hasher
-from ..errors import CorruptGeneration
+from ..errors import CorruptGeneration, StorageUnavailable
 from ..format.manifest import (MANIFEST, MAX_JSON_BYTES, POINTER, STATE, WEIGHTS_POINTER, Manifest, Pointer,
                                check_version, load_json, parse_manifest, parse_pointer)
 from ..format.signing import SigningKey
@@ -66,7 +66,7 @@ def _read_limited(store: Store, generation: str, file: str, limit: int) -> bytes
     except FileNotFoundError:
         raise CorruptGeneration(f"{generation}/{file}", "missing") from None
     except OSError as exc:
-        raise CorruptGeneration(f"{generation}/{file}", f"unreadable ({_why(exc)})") from None
+        raise unreadable(f"{generation}/{file}", exc) from None
     if len(data) > limit:
         raise CorruptGeneration(f"{generation}/{file}", f"larger than the {limit}-byte limit")
     return data
@@ -121,7 +121,7 @@ def _verify_generation(store: Store, generation: str, pointer: Pointer | None, *
     try:
         present = store.files(generation) if listed is None else listed
     except OSError as exc:
-        raise CorruptGeneration(generation, f"cannot list files ({_why(exc)})") from None
+        raise unreadable(generation, exc, "cannot list files") from None
     expected = {f.name: f for f in manifest.files}
     unknown = sorted(set(present) - set(expected) - {MANIFEST})
     if unknown:
@@ -148,7 +148,7 @@ def _verify_generation(store: Store, generation: str, pointer: Pointer | None, *
                         continue
                     got_size, got = digest_stream(stream, manifest.digest_algorithm, record.size)
             except OSError as exc:
-                raise CorruptGeneration(where, f"unreadable ({_why(exc)})") from None
+                raise unreadable(where, exc) from None
             if got_size != record.size or got != record.digest:
                 raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
             if on_bytes is not None:
@@ -308,7 +308,7 @@ def decode_verified(store: Store, manifest: Manifest, component: str | None = No
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
-        raise CorruptGeneration(generation, f"unreadable ({_why(exc)})") from None
+        raise unreadable(generation, exc) from None
 
 
 def preview_headers(store: Store, manifest: Manifest) -> dict[str, Any]:
@@ -325,7 +325,7 @@ def preview_headers(store: Store, manifest: Manifest) -> dict[str, Any]:
     except RecursionError:
         raise CorruptGeneration(where_state, "nested too deeply") from None
     except OSError as exc:
-        raise CorruptGeneration(manifest.generation, f"unreadable ({_why(exc)})") from None
+        raise unreadable(manifest.generation, exc) from None
 
 
 def decode_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -473,6 +473,16 @@ def referenced_tensors(skeleton: Any) -> list[str]:
                 continue
             stack.extend(node.values())
     return out
+
+
+def unreadable(where: str, exc: OSError, what: str = "unreadable") -> OSError:
+    """What an ``OSError`` met while reading ``where`` means: damage to the generation (:class:`CorruptGeneration`
+    naming it; a restore passes over it), unless the store did not answer at all (:class:`StorageUnavailable`,
+    returned as it is). Those bytes may well be intact: a restore that passed over them would resume from an
+    older generation, or find none and call a transient outage permanent, so it raises instead."""
+    if isinstance(exc, StorageUnavailable):
+        return exc
+    return CorruptGeneration(where, f"{what} ({_why(exc)})")
 
 
 def _why(exc: OSError) -> str:
