@@ -143,5 +143,56 @@ def object_faults(out: Path) -> dict:
     return result
 
 
+@scenario
+def object_leftovers(out: Path) -> dict:
+    """Rank 0 looks for what interrupted saves left at a manager's first save and after a failed one, not at every
+    save. A save whose rank 1 cannot stage (and whose staged objects rank 0 then fails to remove) leaves them; the
+    next save removes them, and in the control (the failure not remembered) they stay."""
+    from trainstate.distributed import commit as commit_mod
+    from trainstate.storage import objects as objects_mod
+
+    remote = json.loads(os.environ["TRAINSTATE_TEST_S3"])
+    rank, result = dist.get_rank(), {}
+    real_clean, real_stage, real_abort = (objects_mod.ObjectStore.clean_leftovers, commit_mod.stage_records,
+                                          objects_mod.ObjectStaging.abort)
+    scans: list[int] = []
+    objects_mod.ObjectStore.clean_leftovers = lambda self: scans.append(1) or real_clean(self)
+    try:
+        for flagged in (True, False):
+            url = f"{remote['url']}-{'flagged' if flagged else 'control'}"
+            state = _sized("fsdp")
+            with ts.CheckpointManager(url, storage_options=remote["storage_options"],
+                                      collective_timeout_s=TIMEOUT_S) as ckpt:
+                counts = []
+                for _ in range(2):
+                    _sized_steps(state, 1)
+                    scans.clear()
+                    ckpt.save(state)
+                    counts.append(len(scans))
+                _sized_steps(state, 1)
+                if rank == 1:
+                    commit_mod.stage_records = lambda *a, **k: ([], OSError("rank 1's disk is gone (the test)"))
+                objects_mod.ObjectStaging.abort = lambda self: None  # rank 0's cleanup of the attempt fails too
+                try:
+                    ckpt.save(state)
+                    failed = "saved"
+                except (ts.TrainStateError, OSError) as exc:  # (rank 1 raises its own error, rank 0 CheckpointFailed)
+                    failed = type(exc).__name__
+                finally:
+                    commit_mod.stage_records, objects_mod.ObjectStaging.abort = real_stage, real_abort
+                left = ckpt.store.leftovers() if rank == 0 else None
+                if not flagged and rank == 0:
+                    ckpt._publisher.clean_due = False
+                scans.clear()
+                ckpt.save(state)
+                counts.append(len(scans))
+                result["flagged" if flagged else "control"] = {
+                    "scans": counts, "failed": failed, "left": left,
+                    "after": ckpt.store.leftovers() if rank == 0 else None, "generations": ckpt.generations()}
+    finally:
+        objects_mod.ObjectStore.clean_leftovers = real_clean
+    return result
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -426,8 +426,10 @@ def test_a_multi_rank_restore_reads_its_shard_as_it_loads_verified_and_marks_a_h
     url = moto_server.url(moto_server.make_bucket(), "run")
     remote = {"url": url, "storage_options": moto_server.storage_options()}
     worker = Path(__file__).resolve().parent / "dist_objects_worker.py"
-    results = launch(tmp_path / "faults", ["object_faults"], worker=worker,
-                     env={"TRAINSTATE_TEST_S3": json.dumps(remote)}).ok("object_faults")
+    launched = launch(tmp_path / "faults", ["object_faults", "object_leftovers"], worker=worker,
+                      env={"TRAINSTATE_TEST_S3": json.dumps(remote)})
+    results = launched.ok("object_faults")
+    _leftovers_looked_for_after_a_failure(launched.ok("object_leftovers"))
     assert results[0]["chunks"] >= 2, results[0]  # the flipped bit lies past the header chunk
     for rank, r in enumerate(results):
         own = f"shard-{rank:05d}.safetensors"
@@ -447,3 +449,15 @@ def test_a_multi_rank_restore_reads_its_shard_as_it_loads_verified_and_marks_a_h
         assert "rank 1: GET" in down["message"] and "loaded nothing" in down["message"], down
         assert fell_back.get("generation") == r["older"] and fell_back["rejected"][0].startswith(r["newer"]), fell_back
         assert fell_back["differs_older"] == [], fell_back
+
+
+def _leftovers_looked_for_after_a_failure(results: list[dict]) -> None:
+    """(launched with the test above: ``object_leftovers``) A multi-rank save looks for the leftovers of
+    interrupted saves at a manager's first save and after a failed one: counted on rank 0, the only one that looks.
+    A save that rank 1 could not stage, whose objects rank 0 failed to remove, leaves them; the next save removes
+    them, and the control (the failure not remembered) leaves them."""
+    flagged, control = results[0]["flagged"], results[0]["control"]
+    assert flagged["failed"] == "CheckpointFailed" and flagged["left"], flagged
+    assert flagged["scans"] == [1, 0, 1] and flagged["after"] == [], flagged
+    assert control["scans"] == [1, 0, 0] and control["after"] == control["left"], control
+    assert flagged["generations"][0] == "gen-000000000003", flagged

@@ -238,13 +238,18 @@ class Publisher:
             log.error("%s is published, but cleaning up after it failed (%r); the next save retries", p.name, exc)
         return info
 
-    def _publish_new(self, p: Pending) -> GenerationInfo:
-        """Steps 3 to 8: everything up to and including the pointer move."""
-        if self.clean_due or not getattr(self.store, "remote", False):  # (a local scan costs one system call; an
-            # object store's several listings: while this process holds the lease no other writes the run)
+    def clean_if_due(self) -> None:
+        """Remove what interrupted saves left: in a local directory at every save (one system call), in an object
+        store (several listings) at the first save and after a failed one: while this process holds the lease, no
+        other writes the run."""
+        if self.clean_due or not getattr(self.store, "remote", False):
             for leftover in self.store.clean_leftovers():
                 log.info("removed leftover %s from an interrupted save", leftover)
             self.clean_due = False
+
+    def _publish_new(self, p: Pending) -> GenerationInfo:
+        """Steps 3 to 8: everything up to and including the pointer move."""
+        self.clean_if_due()
         p.extra["run"] = self.run_identity()
         if self.preflight:
             self.check_space(p.name, p.estimated_bytes)

@@ -67,7 +67,12 @@ def rank_tensors(rank: int) -> str:
 def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publisher: Publisher | None,
             key: Any, content: bool = False) -> GenerationInfo:
     """Publish one generation from every rank's share; returns on every rank once it is committed and latest."""
-    begun = _begin(snap, pending, ranks, store, publisher)
+    try:
+        begun = _begin(snap, pending, ranks, store, publisher)
+    except BaseException:
+        if publisher is not None:  # rank 0 may have begun its staging before a collective failed
+            publisher.clean_due = True
+        raise
     if begun.get("noop"):
         return GenerationInfo(**begun["noop"])
     pending.extra["lineage"] = begun["lineage"]  # rank 0's timeline ids, so every rank records the same
@@ -86,6 +91,8 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publ
         info = _verify_and_publish(pending, ranks, store, publisher, written.get("manifest", b""), key, content)
     except BaseException:
         if ranks.rank == 0:
+            if publisher is not None:  # (should the abort below fail, the next save looks for what it left)
+                publisher.clean_due = True
             staging.abort()  # nothing committed (or removed again): no leftover for the next save to find
             if superseded is not None:
                 publisher._put_back(superseded, pending.name)
@@ -134,8 +141,7 @@ def _rank0_begin(pending: Pending, store: Any, publisher: Publisher, total_bytes
         return {"noop": dataclasses.asdict(existing)}, None
     if pending.kind == "full" and pending.parent is not None:
         publisher.point_if_behind(pending.parent, ahead_only=True)  # restore rolled forward to it: latest catches up
-    for leftover in store.clean_leftovers():
-        log.info("removed leftover %s from an interrupted save", leftover)
+    publisher.clean_if_due()
     if publisher.preflight:
         publisher.check_space(pending.name, total_bytes)
     run = publisher.run_identity()
@@ -278,6 +284,7 @@ def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: P
         try:
             publisher.prune({pending.kind: pending.name})
         except Exception as exc:  # published: cleaning up after it is not the save's failure
+            publisher.clean_due = True  # (a prune that stopped halfway leaves objects no record names)
             log.error("%s is published, but pruning after it failed (%r); the next save retries", pending.name, exc)
     return GenerationInfo(**shared["info"])
 
