@@ -89,6 +89,9 @@ def test_remote_tier_uploads_every_second_generation_and_serves_only_what_the_no
 
 
 def test_a_lost_node_without_replicas_takes_only_its_own_shards_from_the_remote(moto_server, tmp_path):
+    """One replica each: the node that lost its disk reads its own shards from the remote, the other its own disk.
+    While the remote does not answer those reads, the restore raises StorageUnavailable on every rank (the
+    control, which counts the unanswered reads as damage, finds no generation: NoValidGeneration, permanent)."""
     bucket = moto_server.make_bucket()
     url = moto_server.url(bucket, f"run-{uuid.uuid4().hex[:8]}")
     dirs = [tmp_path / "node0", tmp_path / "node1"]
@@ -98,6 +101,16 @@ def test_a_lost_node_without_replicas_takes_only_its_own_shards_from_the_remote(
     launch_nodes(out, dirs, ["tier_train"], worker=WORKER, nproc=1, env=env).ok("tier_train", 2)
     lost = next(i for i, d in enumerate(dirs) if (d / GEN / "rank-00001.json").exists())
     _lose(dirs[lost])
+    with FaultProxy(moto_server.endpoint) as proxy:  # the remote stops answering the lost rank's shard reads
+        options = moto_server.storage_options(endpoint=proxy.endpoint, retry_config={"max_retries": 1})
+        down = {**env, "TRAINSTATE_TEST_S3": json.dumps({"url": url, "storage_options": options})}
+        proxy.fail(1, "503", method="GET", path_contains="shard-00001", times=100_000)
+        launched = launch_nodes(out, dirs, ["tier_resume", "tier_resume_unavailable_as_damage"], worker=WORKER,
+                                nproc=1, env=down)
+    for r in launched.ok("tier_resume", 2):  # not damage: the restore stops, for a restart, passing over nothing
+        assert r.get("raised") == "StorageUnavailable" and "loaded nothing" in r["message"], r
+    for r in launched.ok("tier_resume_unavailable_as_damage", 2):  # the control: no generation left, for good
+        assert r.get("raised") == "NoValidGeneration", r
     mixed = _resumed(launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=1, env=env), "tier_resume", 2)
     sources = mixed[0]["sources"]  # the surviving node reads its own disk; the replacement its shards remotely
     assert sources["local"] > 0 and sources["remote"] > 0, sources

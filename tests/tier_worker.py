@@ -11,7 +11,9 @@ launches so that a test can lose a node's directory between them.
   to update 10, compare bitwise with the reference;
 - ``tier_resume_unverified``: the same with the chunk check turned off (the
   negative control for a flipped bit in a node's copy);
-- ``tier_resume_checked_first``: the same with ``restore(in_place=False)``.
+- ``tier_resume_checked_first``: the same with ``restore(in_place=False)``;
+- ``tier_resume_unavailable_as_damage``: ``tier_resume`` with a remote read the store did not answer counted as
+  damage (the negative control of raising ``StorageUnavailable``).
 
 Environment: ``TS_REPLICAS`` (default 2), ``TS_DOMAIN`` (a failure-domain
 label for this node, optional), ``TS_WAIT_REPLICAS`` ("1": save waits),
@@ -308,6 +310,19 @@ def tier_resume_unverified(out: Path) -> dict:
         return _resume(out, control=True)
     finally:
         chunked._check = check
+
+
+@scenario
+def tier_resume_unavailable_as_damage(out: Path) -> dict:
+    """The control for a remote that does not answer: its unanswered reads counted as damage to its copy."""
+    from trainstate.distributed import tierfetch
+
+    real = tierfetch.StorageUnavailable
+    tierfetch.StorageUnavailable = type("NotUnavailable", (Exception,), {})  # nothing is recognised as unanswered
+    try:
+        return _resume(out)
+    finally:
+        tierfetch.StorageUnavailable = real
 
 
 if __name__ == "__main__":
