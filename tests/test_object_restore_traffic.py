@@ -273,6 +273,7 @@ def test_a_remote_restore_that_fails_halfway_leaves_the_state_unusable(moto_serv
         assert ts.unusable_reason(live), raised.value
         if fault == "unavailable":
             assert "GET refused" in str(raised.value), raised.value  # the cause, not "unreadable (None)"
+            assert "left the state unusable" in str(raised.value), raised.value
         with pytest.raises(ts.errors.StateUnusable):
             ckpt.save(live)
 

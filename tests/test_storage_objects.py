@@ -381,6 +381,7 @@ def test_a_store_that_stops_answering_mid_restore_raises_and_passes_over_nothing
             with pytest.raises(ts.StorageUnavailable, match="retries") as raised:
                 ckpt.restore(fresh)
             assert ts.exit_code_for(raised.value) == EXIT_FAILED  # NoValidGeneration would stop a supervisor
+            assert str(raised.value).endswith("The restore loaded nothing; call it again once the store answers")
             assert ts.unusable_reason(fresh) is None
             assert_same(full_state(fresh), untouched)
             proxy.clear()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import (CorruptGeneration, NoValidGeneration, PointerRollback, Rejection, StateMismatch,
-                     WeightsOnlyGeneration)
+                     StorageUnavailable, WeightsOnlyGeneration)
 from .format.digest import is_chunked
 from .format.manifest import (POINTER, RUN, STATE, Manifest, Pointer, generation_order, parse_generation_name,
                               parse_pointer, parse_run)
@@ -72,6 +72,10 @@ def restore(store: Store, state: TrainState, *, key: SigningKey | None, generati
     try:
         return _restore(held, state, key=key, generation=generation, allow=allow,
                         statistical_cuda=statistical_cuda, in_place=in_place, meter=meter)
+    except StorageUnavailable as exc:  # not damage: no generation was passed over (storage.verify.unreadable)
+        raise StorageUnavailable(f"{str(exc).rstrip('.')}. The restore " + (
+            "left the state unusable (ts.unusable_reason says why)" if unusable(state) else "loaded nothing") +
+            "; call it again once the store answers") from exc
     finally:
         held.close()
         if meter is not None:
