@@ -754,6 +754,45 @@ def collectives(out: Path) -> dict:
     }
 
 
+@scenario
+def groups_released(out: Path) -> dict:
+    """Each manager creates three gloo groups; close destroys them: after a normal close, after one with an
+    exception propagating (on every rank here), and never by waiting on a collective. A closed manager's save
+    raises InvalidArgument. Control: a close that keeps its groups leaves three more per manager."""
+    from torch.distributed.distributed_c10d import _world
+
+    from trainstate.distributed.session import Session
+
+    state = build("ddp", loader=False)
+    before = len(_world.pg_map)
+    counts = []
+    for i in range(3):
+        with manager(out / "run") as ckpt:
+            step(state)
+            ckpt.save(state)
+        counts.append(len(_world.pg_map) - before)
+    try:
+        with manager(out / "run") as ckpt:
+            step(state)
+            raise SystemExit(3)  # e.g. a preemption handler's exit, on every rank
+    except SystemExit:
+        pass
+    counts.append(len(_world.pg_map) - before)
+    try:
+        ckpt.save(state)
+        closed = "saved"
+    except ts.InvalidArgument as exc:
+        closed = str(exc)
+    release = Session.release
+    Session.release = lambda self, writing: None  # the control: groups kept, as before
+    try:
+        with manager(out / "control"):
+            pass
+    finally:
+        Session.release = release
+    return {"counts": counts, "closed": closed, "control": len(_world.pg_map) - before}
+
+
 def _sized(mode: str, seed: int = 0) -> ts.TrainState:
     """A model of a few MiB with Adam moments (bytes, not metadata, dominate the counts), FSDP2 or DDP."""
     torch.manual_seed(seed)

@@ -683,6 +683,28 @@ def test_leaving_the_block_raises_a_background_failure(tmp_path):
     assert check_visible(root, leftovers_allowed=True) == [previous]
 
 
+def test_an_exception_leaving_the_block_surfaces_with_the_background_failure_as_a_note(tmp_path):
+    """The training loop's own exception is the one raised from ``with``; a background failure found as the block
+    closes is logged and added to it as a note, not raised over it (which would hide the loop's error and its
+    exit code). The save still finished first: single-process closes wait for no peer. Control: without an
+    exception in flight, the same close raises the failure."""
+    root, ops, state = tmp_path / "run", FailOps("write"), make()
+    with ts.CheckpointManager(root) as ckpt:
+        ckpt.save(state)
+    previous = generation_name(state.next_update)
+    step(state)
+    ops.target = failing = generation_name(state.next_update)
+    with pytest.raises(KeyError) as info, open_manager(root, ops) as ckpt:
+        ckpt.save(state, blocking=False)
+        raise KeyError("the loop's own bug")
+    notes = getattr(info.value, "__notes__", [])
+    if sys.version_info >= (3, 11):
+        assert len(notes) == 1 and f"background save of {failing} had failed too" in notes[0], notes
+    assert pointer_of(root) == previous and ckpt.status().unreported_failures == ()
+    with ts.CheckpointManager(root):  # the directory was released
+        pass
+
+
 # subprocesses: started when the module starts, so that their imports overlap the tests above.
 # "kill": a slow background save is SIGKILLed mid-write. "exit": three managers, none closed, the
 # interpreter exits normally while their saves are in flight: one must publish, one failed

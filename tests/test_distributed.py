@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 MAIN = ["roundtrip_save_ddp", "roundtrip_save_fsdp", "exact_resume", "bit_flip", "no_pickle", "replica_divergence",
         "existing_generation", "raised_faults", "background", "one_rank_refuses", "one_rank_refuses_control",
-        "collectives"]
+        "collectives", "groups_released"]
 FAULTS = ["kill_rank1_write", "kill_rank0_rename", "hang_rank1_write"]
 
 
@@ -67,6 +67,14 @@ def test_collectives_carry_small_and_large_values_exactly(runs):
     """One round when every value fits the room, a second when one (on one rank only) does not."""
     for result in runs["two"].ok("collectives"):
         assert all(result[k] for k in ("broadcast", "gather_small", "gather_mixed", "gather_edge", "bytes")), result
+
+
+def test_close_destroys_the_managers_groups_with_or_without_an_exception(runs):
+    """Three gloo groups per manager, destroyed by close (normal, or with SystemExit propagating on every rank,
+    which runs no collective); control: a close that keeps them leaves three more."""
+    for result in runs["two"].ok("groups_released"):
+        assert result["counts"] == [0, 0, 0, 0] and result["control"] == 3, result
+        assert "CheckpointManager is closed" in result["closed"], result
 
 
 # 2. exact resume, with a negative control -------------------------------------------------------------------------

@@ -109,12 +109,25 @@ def test_two_nodes_resume_from_own_disk_from_a_replica_past_a_flipped_bit_and_af
     # a node lost (its directory gone, back empty): its shards come from the replicas, then it is refilled
     shutil.rmtree(dirs[1])
     dirs[1].mkdir()
-    launched = launch_nodes(out, dirs, ["tier_resume", "tier_resume_again"], worker=WORKER, nproc=2)
+    launched = launch_nodes(out, dirs, ["tier_resume", "tier_resume_again", "tier_resume_refill_later",
+                                        "tier_resume_refill_fails", "tier_resume_refilled"], worker=WORKER, nproc=2)
     after_loss = _resumed(launched, "tier_resume", 4)
     assert after_loss[0]["generation"] == GEN and after_loss[0]["sources"]["peer"] > 0
+    # the replacement holds its part and the replicas it keeps, durably, with its pointers, when restore returns
+    for result in after_loss:
+        assert _refilled(result["at_return"]), result["at_return"]
     again = _resumed(launched, "tier_resume_again", 4)
     assert again[0]["sources"]["peer"] == 0, "the replacement node was refilled with its own holding"
     assert (dirs[1] / GEN).is_dir() and (dirs[1] / "replicas" / GEN).is_dir()
+    # the control: node 1 lost again, its refill run after restore returns (as in c81b50e): the window is seen
+    late = _resumed(launched, "tier_resume_refill_later", 4)
+    assert all(_refilled(r["at_return"]) == (r["node_dir"] != str(dirs[1])) for r in late), late
+    # node 1 lost again and its refill cannot write: restore raises on every rank, the state restored and usable
+    failed = launched.ok("tier_resume_refill_fails", 4)
+    assert all(r["raised"] == "CheckpointFailed" and r["phase"] == "refill" and not r["unusable"] for r in failed)
+    assert "restored completely and is usable" in failed[0]["message"], failed[0]
+    refilled = _resumed(launched, "tier_resume_refilled", 4)
+    assert refilled[0]["sources"]["peer"] > 0 and all(_refilled(r["at_return"]) for r in refilled)
 
     # the nodes read together from their directories (`trainstate nodes`): sound, and then two controls
     report = check_nodes(dirs)
@@ -127,6 +140,12 @@ def test_two_nodes_resume_from_own_disk_from_a_replica_past_a_flipped_bit_and_af
     assert report["generations"][GEN]["servable"] and not report["generations"][GEN]["survives_one_node"]
     assert any("replicas/latest names" in f for f in report["failures"]), report["failures"]
     assert cli_main(["nodes", *map(str, dirs)]) == 1
+
+
+def _refilled(held: dict) -> bool:
+    """A node's directory as restore returned: both pointers name the generation, its manifests are there."""
+    return held["latest"] == held["replicas_latest"] == GEN and {f"{GEN}/manifest.json",
+                                                                  f"replicas/{GEN}/manifest.json"} <= set(held["manifests"])
 
 
 def test_four_nodes_in_two_racks_replicas_across_racks_and_a_shard_lost_with_every_copy(tmp_path):

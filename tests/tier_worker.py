@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -103,7 +104,9 @@ def _resume(out: Path, control: bool = False, **restore) -> dict:
         try:
             info = ckpt.restore(state, **restore)
         except ts.TrainStateError as exc:
-            return {"raised": type(exc).__name__, "message": str(exc)}
+            return {"raised": type(exc).__name__, "message": str(exc), "phase": getattr(exc, "phase", None),
+                    "unusable": ts.unusable_reason(state)}
+        at_return = _pointers_now()
         after = _status(ckpt)
     finally:
         logging.getLogger("trainstate").removeHandler(warned)
@@ -119,7 +122,83 @@ def _resume(out: Path, control: bool = False, **restore) -> dict:
             "rejected": [[r.generation, r.reason] for r in info.rejected],
             "full_differs": dw.same(dw.full_state(state), want_full),
             "rank_differs": dw.same(dw.rank_state(state), want_rank), "tiers": after, "node_dir": str(node_dir()),
-            "warnings": warned.messages}
+            "warnings": warned.messages, "at_return": at_return}
+
+
+def _pointers_now() -> dict:
+    """What this node's directory holds the moment restore returns: the generations its pointers name, and the
+    manifests present (a refill still running off the restore has written none of it yet)."""
+    def named(path: Path) -> str | None:
+        try:
+            return json.loads(path.read_text())["generation"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    root = node_dir()
+    return {"latest": named(root / "latest"), "replicas_latest": named(root / "replicas" / "latest"),
+            "manifests": sorted(str(p.relative_to(root)) for p in root.glob("**/manifest.json")
+                                if ".rejected" not in str(p))}
+
+
+def _lose_node_1() -> None:
+    """Node 1 comes back empty (a replacement machine) between two scenarios of one launch."""
+    dist.barrier()
+    if os.environ["TRAINSTATE_TEST_NODE"] == "1" and os.environ["LOCAL_RANK"] == "0":
+        for path in node_dir().iterdir():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    dist.barrier()
+
+
+@scenario
+def tier_resume_refill_later(out: Path) -> dict:
+    """The control of the refill's window: node 1 lost again and its refill run after restore returns (c81b50e ran
+    it on the writer thread; here the close runs it): when restore returns, the replacement holds nothing yet."""
+    from trainstate.distributed import tierload
+
+    _lose_node_1()
+    restore, close, jobs = tierload.restore, ts.CheckpointManager.close, []
+
+    def deferred(*args, **kwargs):
+        return restore(*args, refill=jobs.append, **kwargs)
+
+    def refill_then_close(self):
+        while jobs:
+            jobs.pop(0)(self._session.fg)
+        close(self)
+
+    tierload.restore, ts.CheckpointManager.close = deferred, refill_then_close
+    try:
+        return _resume(out)
+    finally:
+        tierload.restore, ts.CheckpointManager.close = restore, close
+
+
+@scenario
+def tier_resume_refill_fails(out: Path) -> dict:
+    """Node 1 lost again, and its refill cannot write (ENOSPC on node 1): restore raises on every rank, with the
+    state restored and usable."""
+    import errno
+
+    from trainstate.distributed import tierload
+
+    _lose_node_1()
+    write = tierload._write_checked
+
+    def full(staging, manifest, file, data):
+        if os.environ["TRAINSTATE_TEST_NODE"] == "1":
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return write(staging, manifest, file, data)
+
+    tierload._write_checked = full
+    try:
+        return _resume(out)
+    finally:
+        tierload._write_checked = write
+
+
+@scenario
+def tier_resume_refilled(out: Path) -> dict:
+    return _resume(out)
 
 
 class _Collect(logging.Handler):

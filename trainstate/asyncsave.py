@@ -59,6 +59,8 @@ def _drain_at_exit() -> None:
     runs first: a save in flight at a normal exit is published, not failed.
     """
     for writer in list(_WRITERS):
+        if writer.abandoned:  # left by a close that an exception interrupted: as a crash would leave it
+            continue
         writer.drain()
         writer.wait_for_threads(10.0)  # the thread itself gone too: none may run on while torch finalizes
 
@@ -249,6 +251,7 @@ class Writer:
         self._serving: object | None = None  # the running writer thread's token
         self._threads = 0  # writer threads started and not yet returned
         self._unreported: list[SaveHandle] = []
+        self.abandoned: list[str] = []  # saves left in flight by abandon(); never waited for again
 
     def in_flight(self) -> int:
         with self._lock:
@@ -426,6 +429,30 @@ class Writer:
         """Finish every save in flight (the writer thread stops by itself once the queue is empty)."""
         self.drain()
 
+    def note_unreported(self, failing: BaseException) -> None:
+        """Report every unreported failure beside ``failing``, the exception propagating through a close: logged,
+        and added to it as a note (Python 3.11+), never raised over it."""
+        with self._lock:
+            handles, self._unreported = self._unreported, []
+        for handle in handles:
+            text = (f"trainstate: background save of {handle.generation} had failed too: "
+                    f"{type(handle._error).__name__}: {handle._error}; nothing of it was published")
+            log.error("%s", text)
+            if hasattr(failing, "add_note"):
+                failing.add_note(text)
+
+    def abandon(self) -> list[str]:
+        """Stop waiting for the saves in flight, as a crash would leave them; returns their generations.
+
+        For a multi-rank close while an exception propagates: a background save there waits on collectives
+        with ranks that may never join it, so nothing waits for it again (neither :meth:`drain` at
+        interpreter exit nor the report of unreported failures). The writer thread goes on while the process
+        lives; the publication protocol makes an interrupted save invisible, never partial.
+        """
+        with self._lock:
+            self.abandoned = [ticket.handle.generation for ticket in self._queue]
+        return self.abandoned
+
     # fork ----------------------------------------------------------------------
     def _forget_parent(self, parent: int) -> None:
         """In a forked child: start empty; the parent's saves and failures stay the parent's.
@@ -440,7 +467,8 @@ class Writer:
 
 def report_at_exit(writer: Writer, directory: str) -> None:
     """Never lose a background failure silently, even if close() was never called."""
-    writer.drain()
+    if not writer.abandoned:
+        writer.drain()
     for generation, cause in writer.failures():
         message = (f"trainstate: background save of {generation} in {directory} failed and was never reported "
                    f"(close() or wait() was not called); it was not published. Cause: {cause!r}")

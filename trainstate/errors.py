@@ -234,7 +234,11 @@ class CheckpointFailed(TrainStateError, RuntimeError):
                 "restarted (torchrun --max-restarts, or your scheduler), resuming from the last generation.")
         outcome = ("The restore did not complete and changed nothing in the run; if live tensors took part of it, "
                    "the state is unusable (trainstate.unusable_reason) until a restore loads completely."
-                   if phase in self.RESTORING else "Nothing of it was published; the previous generation stands.")
+                   if phase in self.RESTORING else
+                   "The state was restored completely and is usable, but a node that came back empty does not hold "
+                   "its part of it yet: another loss could take the only copy. Restore again (or restart the job) "
+                   "once the cause is fixed." if phase == "refill" else
+                   "Nothing of it was published; the previous generation stands.")
         super().__init__(f"checkpoint {phase} failed on {ranks}: {detail[:2000]}. {outcome}"
                          + (hint if peer_lost else ""))
 

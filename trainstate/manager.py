@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -160,21 +161,52 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Finish every background save, release the directory, then raise any unreported failure."""
+        """Finish every background save, release the directory and the checkpoint groups, then raise any
+        unreported failure.
+
+        Called while an exception propagates (from ``with``, a ``finally`` or an ``except``), it lets that
+        exception surface: an unreported background failure is logged and added to it as a note, not raised
+        over it. In a multi-rank run it then runs no collective at all, since the other ranks may be waiting
+        in a training collective for this one: it waits for no background save (one in flight is left as a
+        crash leaves it: nothing partial is ever published), releases the directory (when no save of this
+        rank is still writing) and the checkpoint groups, and returns at once, so that the launcher sees the
+        failure and stops the job as it would without trainstate.
+        """
+        failing = sys.exc_info()[1]
+        if self._session is not None and self._session.closed:  # closed already: nothing left to release
+            return
+        if failing is not None and self._session is not None:
+            left = self._writer.abandon()
+            if left:
+                log.warning("closing on %s: background save(s) %s left in flight, as a crash would leave them "
+                            "(nothing partial is published)", type(failing).__name__, ", ".join(left))
+            if self._mirror is not None:
+                mirror_mod.finish(self._mirror, 0.0)  # uploads in flight are not waited for either
+            self._release(bool(left))
+            self._writer.note_unreported(failing)
+            return
         try:
             self._writer.shutdown()
             if self._session is not None:
                 self._session.barrier("close")  # every rank's background saves are finished
-        except BaseException:  # interrupted (Ctrl-C): a save still being written keeps the directory locked
-            if not self._writer.in_flight():
-                self.store.unlock()
+        except BaseException:  # interrupted (Ctrl-C), or a peer lost: what this rank holds is released all the same
+            self._release(self._writer.in_flight() > 0)
             raise
         if self._mirror is not None:
             mirror_mod.finish(self._mirror, self.mirror_timeout_s)
-        self.store.unlock()
-        failed = self._writer.unreported()
-        if failed:
+        self._release(False)
+        if failing is not None:
+            self._writer.note_unreported(failing)
+        else:
             self._writer.raise_unreported()
+
+    def _release(self, writing: bool) -> None:
+        """The directory (kept while a save of this process is still ``writing``: it must not be taken over under
+        it) and the checkpoint groups (local to this rank; the writer's kept while a save uses it)."""
+        if not writing:
+            self.store.unlock()
+        if self._session is not None:
+            self._session.release(writing)
 
     # saving ------------------------------------------------------------------
     def save(self, state: TrainState, *, weights_only: bool = False, include_grads: bool = False,

@@ -49,6 +49,7 @@ class Ranks:
     join_group: Any = None  # a gloo group with timeout join_timeout_s, for join() only
     join_timeout_s: float = 0.0
     unjoined: SaveNotJoined | None = None  # a failed join: saves are out of step for good
+    destroyed: bool = False  # by the manager's close: its checkpoint collectives are over
 
     @property
     def is_coordinator(self) -> bool:
@@ -140,6 +141,17 @@ class Ranks:
             raise CheckpointFailed(phase, {0: outcome["error"]})
         return outcome
 
+    def destroy(self) -> None:
+        """Destroy this rank's groups (the manager's close): local, no collective. A later checkpoint collective
+        of this manager raises :class:`InvalidArgument` instead of running on a destroyed group."""
+        self.destroyed = True
+        for group in (self.group, self.join_group):
+            try:
+                if group is not None:
+                    dist.destroy_process_group(group)
+            except ValueError:  # destroyed already: by destroy_process_group() of the whole world
+                pass
+
     def barrier(self, phase: str) -> None:
         if self.unjoined is not None:  # a save some ranks never entered: they are elsewhere (training), so
             return  # waiting for them here would only hold back that error for the collective timeout
@@ -155,6 +167,7 @@ class Ranks:
         A timeout there breaks the join group (gloo aborts its pending
         operations), so every later save of this manager refuses at once.
         """
+        _refuse_destroyed(self, what)
         if self.join_group is None or self.world_size == 1:
             return
         if self.unjoined is not None:
@@ -204,6 +217,8 @@ def collective(phase: str, ranks: Ranks | None = None) -> Iterator[None]:
     one as a timeout, and DCP reports rank failures as ``CheckpointException``,
     a ``BaseException`` that would escape ordinary handlers.
     """
+    if ranks is not None:
+        _refuse_destroyed(ranks, phase)
     try:
         yield
     except TrainStateError:
@@ -220,6 +235,12 @@ def collective(phase: str, ranks: Ranks | None = None) -> Iterator[None]:
         if isinstance(exc, (RuntimeError, OSError, ValueError)) and not isinstance(exc, TrainStateError):
             raise CheckpointFailed(phase, {-1: f"{type(exc).__name__}: {exc}"}, peer_lost=True) from exc
         raise
+
+
+def _refuse_destroyed(ranks: Ranks, phase: str) -> None:
+    if ranks.destroyed:
+        raise InvalidArgument(f"{phase}: this CheckpointManager is closed (its checkpoint groups are destroyed); "
+                              "open a new CheckpointManager on every rank to save or restore again")
 
 
 def _not_joined(rank: int, what: str, timeout_s: float, error: str, waited_s: float) -> SaveNotJoined:

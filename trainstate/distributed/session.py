@@ -312,24 +312,16 @@ class Session:
         if self.tier is not None:
             from . import tierload, tiertimes
 
-            started, jobs = time.monotonic(), []
+            started = time.monotonic()
+            # the refill (a node that came back empty gets its holding and the replicas it keeps, durably, and the
+            # pointers move) runs here, before restore returns: training goes on only once the tiers protect the
+            # restored generation again, and a refill that fails raises here, on every rank
             info, rejected = tierload.restore(state, self.fg, self.tier, manager.key, generation=generation,
                                               allow_changes=allow_changes, statistical_cuda=statistical_cuda,
-                                              refill=jobs.append, one_pass=in_place is not False)
-            timed = None
+                                              one_pass=in_place is not False)
             if info is not None and info.sources is not None and self.tier.topology.is_leader:
                 timed = (tiertimes.restore_kind(info.sources), time.monotonic() - started, sum(info.sources.values()))
-
-            def later(group: Any) -> None:  # the refill, then the restore's timing (a durable write): off the restore
-                try:
-                    for job in jobs:
-                        job(group)
-                finally:
-                    if timed is not None:
-                        tiertimes.record(self.tier.own, *timed)
-
-            if jobs or timed is not None:
-                self._later(manager, "refill", later)
+                self._later(manager, "restore timing", lambda group: tiertimes.record(self.tier.own, *timed))
             return info, rejected
         return load.restore(state, self.fg, manager.store, manager.key, generation=generation,
                             allow_changes=allow_changes, statistical_cuda=statistical_cuda,
@@ -337,6 +329,19 @@ class Session:
 
     def barrier(self, phase: str) -> None:
         self.fg.barrier(phase)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the manager's close released this session (its groups destroyed)."""
+        return self.fg.destroyed
+
+    def release(self, writing: bool) -> None:
+        """Destroy the gloo groups this session created (local to this rank: no collective; a peer still
+        waiting on one learns at once that the connection closed). The writer's group stays while a background
+        save still ``writing`` uses it."""
+        self.fg.destroy()
+        if not writing:
+            self.bg.destroy()
 
 
 __all__ = ["CheckpointFailed", "DistPending", "Ranks", "Session", "initialized"]

@@ -27,8 +27,10 @@
 5. **refill**: a node that lacks its holding of the restored generation (a
    replacement machine with an empty directory), or a replica it must keep,
    gets the files from the other nodes (verified the same way), commits
-   them and moves its pointers: the tiers protect the restored generation
-   again before training goes on.
+   them and moves its pointers, before the restore returns: the tiers
+   protect the restored generation again before training goes on, and a
+   refill that fails raises :class:`CheckpointFailed` (phase ``refill``)
+   on every rank, the state restored and usable.
 """
 
 from __future__ import annotations
@@ -250,7 +252,8 @@ def _refill(view: Holdings, manifest: Any, manifest_bytes: bytes, ranks: Ranks, 
             log.info("refilled %s on this node (%s tier): %d files", name, tier_name, len(files))
         except (TrainStateError, OSError) as exc:
             staging.abort()
-            error = exc
+            error = CheckpointFailed("refill", {ranks.rank: f"{type(exc).__name__}: {exc}"})
+            error.__cause__ = exc
     ranks.check("refill", error)
     if topo.is_leader and manifest.run and _recorded_run(tier, key) is None:  # a replacement node joins the run
         tier.own.write_pointer(RUN, run_to_bytes(manifest.run, key))
