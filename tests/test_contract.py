@@ -120,11 +120,11 @@ def test_a_long_list_difference_names_the_positions_that_differ():
     assert "length 1000 in the checkpoint, 1001 in this run" in longer
 
 
-def test_a_loader_plan_change_is_never_suggested_as_an_allowed_change():
+def test_a_fixed_loader_plan_change_is_never_suggested_as_an_allowed_change():
     from trainstate.errors import ContractMismatch, FieldChange
 
-    exc = ContractMismatch("g", [FieldChange("loader.data.batch_size", 32, 64), FieldChange("config.lr", 1, 2)],
-                           fixed=["loader.data.batch_size"])
+    exc = ContractMismatch("g", [FieldChange("loader.data.seed", 3, 4), FieldChange("config.lr", 1, 2)],
+                           fixed=["loader.data.seed"])
     assert "allow_changes=['config.lr']" in str(exc)
-    assert "'loader.data.batch_size'" not in str(exc).split("allow_changes=")[1].split("]")[0]
-    assert "loader.data.batch_size cannot change within a run" in str(exc)
+    assert "'loader.data.seed'" not in str(exc).split("allow_changes=")[1].split("]")[0]
+    assert "loader.data.seed cannot change within a run" in str(exc)

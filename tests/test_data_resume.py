@@ -353,7 +353,7 @@ def test_changed_data_plan_is_refused_by_contract(tmp_path, field):
     _assert_unchanged(before, state, loader)
 
 
-@pytest.mark.parametrize("field", CHANGES)
+@pytest.mark.parametrize("field", [f for f in CHANGES if f != "batch_size"])  # a batch size continues: test_world_size_batch
 def test_allowed_contract_change_is_still_refused_by_the_loader(tmp_path, field):
     """Allowing the contract change does not make the old position mean anything: DataMismatch, nothing loaded."""
     key, old, new = CHANGES[field]

@@ -109,13 +109,15 @@ class ContractMismatch(TrainStateError):
     objects. Pass ``allow_changes=[field, ...]`` to ``restore`` to accept a
     deliberate change; it is then recorded in the generation history. Fields
     in ``fixed`` (a data loader's plan) cannot be accepted: the saved position
-    would name other samples.
+    would name other samples. ``notes`` say more about some changes (how a
+    loader's global batch changes, and how to keep it).
     """
 
-    def __init__(self, generation: str, changes: list[FieldChange], fixed: list[str] = ()):
+    def __init__(self, generation: str, changes: list[FieldChange], fixed: list[str] = (), notes: list[str] = ()):
         self.generation = generation
         self.changes = list(changes)
         self.fixed = list(fixed)
+        self.notes = list(notes)
         lines = "\n  ".join(c.describe() for c in self.changes)
         acceptable = [c.field for c in self.changes if c.field not in self.fixed]
         advice = []
@@ -127,6 +129,7 @@ class ContractMismatch(TrainStateError):
             advice.append(f"{', '.join(self.fixed)} cannot change within a run (the saved data position would "
                           "name other samples): construct the loader with the checkpoint's values to resume, or "
                           "start a new run from these weights with warm_start().")
+        advice += self.notes
         super().__init__(f"experiment contract of {generation} differs from this run; nothing was loaded:\n  "
                          f"{lines}\n" + " ".join(advice))
 

@@ -152,6 +152,7 @@ class ResumableLoader:
                          order or DEFAULT_ORDER, source)
         self._order_chosen = order is not None  # else a restore adopts the checkpoint's algorithm
         self._reweight: list | None = None  # saved mixture weights whose change the restore allowed
+        self._rebatch: int | None = None  # the saved batch size whose change the restore allowed
         if self.plan.batches_per_epoch() == 0:
             raise InvalidArgument(f"an epoch of {length} samples over {world_size} rank(s) gives no batch of "
                              f"{batch_size} (drop_last={drop_last}); use a smaller batch_size")
@@ -159,7 +160,7 @@ class ResumableLoader:
         self.on_mismatch = on_mismatch
         self.epoch = 0
         self.cursor = 0
-        self.start = 0  # global offset into this epoch's order where this run's batches begin (after a reshard)
+        self.start = 0  # global offset into this epoch's order where this run's batches begin (after a regroup)
         self.samples_seen = 0
         self.tokens_seen = 0
         self.last_ids: np.ndarray | None = None  # sample ids of the batch last handed out
@@ -303,7 +304,7 @@ class ResumableLoader:
         saved = {"epoch": self.epoch, "cursor": self.cursor, "samples_seen": self.samples_seen,
                  "tokens_seen": self.tokens_seen, "plan": self.plan.as_dict(), "next_batch": self.next_batch(),
                  "worker_global_draws": self._global_draws()}
-        if self.start:  # only after a reshard to another world size, mid-epoch
+        if self.start:  # only after a reshard to another world size or a change of batch size, mid-epoch
             saved["start"] = self.start
         if self.plan.source is not None and len(self.plan.source.segments) > 1:  # after a mixture reweight
             saved["mixture_segments"] = self.plan.source.saved_segments()
@@ -318,6 +319,8 @@ class ResumableLoader:
             raise DataMismatch("the saved loader state has no plan")
         plan = _with_algorithm(plan)
         resumed, reweighted = self._resumed_plan(saved)
+        if self._rebatching(plan):  # the position is checked in its own batches; load_state_dict regroups it
+            resumed = replace(resumed, batch_size=plan["batch_size"])
         live = resumed.as_dict()
         if reweighted:  # allowed by the restore: the new weights continue the saved position
             plan = {**plan, "mixture": {**plan["mixture"], "weights": live["mixture"]["weights"]}}
@@ -331,7 +334,7 @@ class ResumableLoader:
         start = saved.get("start", 0)
         if type(start) is not int or not 0 <= start < self.plan.dataset_len:
             raise DataMismatch(f"malformed epoch start {start!r:.40}")
-        batches = self.plan.batches_per_epoch(start)
+        batches = resumed.batches_per_epoch(start)
         if saved["cursor"] >= batches:
             raise DataMismatch(f"cursor {saved['cursor']} is not below the {batches} batches of the epoch")
         expected = saved.get("next_batch")
@@ -340,20 +343,32 @@ class ResumableLoader:
             raise DataMismatch("the saved next-batch fingerprint does not match the saved position")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Continue from a saved position (``check_state_dict`` refuses one that does not fit this loader)."""
+        """Continue from a saved position (``check_state_dict`` refuses one that does not fit this loader).
+
+        After a restore that allowed a change of batch size
+        (``allow_changes=["loader.<name>.batch_size"]``) the saved position is
+        continued from the samples consumed, in batches of this loader's size.
+        """
         self.check_state_dict(saved)
+        regrouped = []
+        if self._rebatching(saved["plan"]):
+            plan, _ = self._resumed_plan(saved)
+            position = (saved["epoch"], saved["cursor"], saved.get("start", 0))
+            saved, regrouped = self._continuation(plan, saved["plan"], position, saved["samples_seen"],
+                                                  saved["tokens_seen"], bool(saved.get("worker_global_draws")))
         self.plan, reweighted = self._resumed_plan(saved)
-        self._reweight = None
+        self._reweight, self._rebatch = None, None
         self.epoch, self.cursor, self.start = saved["epoch"], saved["cursor"], saved.get("start", 0)
         self.samples_seen, self.tokens_seen = saved["samples_seen"], saved["tokens_seen"]
         # after an allowed reweight the next batch is deliberately another one than the checkpoint recorded
         self._expected = None if reweighted else dict(saved["next_batch"])
         self._active, self._taken = None, 0
-        self._warnings = []
+        self._warnings = regrouped
         self._warned_draws = False
         self._global_draws_seen = bool(saved.get("worker_global_draws"))
         workers = self.loader.num_workers
-        self._resumed_mid_stream = bool(workers) and (self.cursor > 0 or self.loader.persistent_workers)
+        self._resumed_mid_stream = bool(workers) and (self.cursor > 0 or self.start > 0
+                                                           or self.loader.persistent_workers)
         self._note_global_draws()
 
     def resharded_state(self, saved: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
@@ -365,9 +380,12 @@ class ResumableLoader:
         from there, sharded over this loader's world size. Exact when the
         global batch size (per-rank batch size times world size) is
         unchanged: the same samples in the same order, grouped into the same
-        updates. Otherwise the samples still come in the same order, grouped
+        updates (an epoch's short last update, when the dataset length is not
+        a multiple of the global batch, is padded or dropped for the new
+        ranks). Otherwise the samples still come in the same order, grouped
         into updates of another size. Changes nothing; ``load_state_dict``
-        applies it.
+        applies it. The contract decides which batch sizes may change
+        (:func:`trainstate.state.contract.check`).
         """
         if not saved or not all(type(s) is dict for s in saved):
             raise DataMismatch("no saved loader positions to reshard from")
@@ -394,25 +412,35 @@ class ResumableLoader:
             raise DataMismatch("not ResumableLoader states") from None
         if len(positions) != 1:
             raise DataMismatch(f"the saved ranks stopped at different positions {sorted(positions)}")
-        (epoch, cursor, start), = positions
-        old_world, old_batch = plans[0]["world_size"], plans[0]["batch_size"]
+        (position,) = positions
+        return self._continuation(plan, plans[0], position, samples // plan.world_size, tokens // plan.world_size,
+                                  any(s.get("worker_global_draws") for s in saved))
+
+    def _continuation(self, plan: Plan, old: dict[str, Any], position: tuple[int, int, int], samples: int,
+                      tokens: int, global_draws: bool) -> tuple[dict[str, Any], list[str]]:
+        """The state that reads on, with ``plan``, after the ranks of ``old`` (a saved plan) stopped at
+        ``position`` (epoch, cursor, start), and the warning when the global batch changes."""
+        epoch, cursor, start = position
+        old_world, old_batch = old["world_size"], old["batch_size"]
         consumed = start + cursor * old_batch * old_world  # the global count of this epoch's positions read
-        epoch, start = (epoch, consumed) if consumed < plan.dataset_len else (epoch + 1, 0)
+        if consumed < plan.dataset_len and plan.batches_per_epoch(consumed):
+            start = consumed
+        else:  # the epoch is used up (padding wrapped, or what is left fills no batch of this plan)
+            epoch, start = epoch + 1, 0
         ids = plan.batches(epoch, start)[0]
-        state = {"epoch": epoch, "cursor": 0, "samples_seen": samples // plan.world_size,
-                 "tokens_seen": tokens // plan.world_size, "plan": live,
+        state = {"epoch": epoch, "cursor": 0, "samples_seen": samples, "tokens_seen": tokens, "plan": plan.as_dict(),
                  "next_batch": {"epoch": epoch, "cursor": 0, "size": len(ids), "ids_digest": ids_digest(epoch, 0, ids)},
-                 "worker_global_draws": any(s.get("worker_global_draws") for s in saved)}
+                 "worker_global_draws": global_draws}
         if start:
             state["start"] = start
         if plan.source is not None and len(plan.source.segments) > 1:
             state["mixture_segments"] = plan.source.saved_segments()
-        notes = []
-        if old_batch * old_world != plan.batch_size * plan.world_size:
-            notes.append(f"the global batch size changed from {old_batch * old_world} ({old_world} x {old_batch}) to "
-                         f"{plan.batch_size * plan.world_size}: the samples continue in the same order, "
-                         "grouped into updates of another size")
-        return state, notes
+        before, after = old_batch * old_world, plan.batch_size * plan.world_size
+        if before == after:
+            return state, []
+        return state, [f"the global batch size changed from {before} ({old_world} x {old_batch}) to {after} "
+                       f"({plan.world_size} x {plan.batch_size}): the samples continue in the same order, grouped "
+                       "into updates of another size, so the updates are not the uninterrupted run's"]
 
     def settle_contract(self, saved: Any, allowed: Callable[[str], bool] | None = None) -> None:
         """Called by a restore before it compares contracts, with this loader's saved plan.
@@ -425,6 +453,7 @@ class ResumableLoader:
         :meth:`check_state_dict`'s) to refuse. ``allowed(key)`` says whether
         the restore's ``allow_changes`` accept a change of plan key ``key``.
         """
+        self._rebatch = None
         if type(saved) is not dict:
             return
         if "algorithm" not in saved:  # written before the algorithm was named: normalised where it lies
@@ -434,6 +463,15 @@ class ResumableLoader:
         if self.plan.source is not None and type(mixture) is dict and allowed is not None \
                 and allowed("mixture.weights") and mixture.get("weights") != list(self.plan.source.weights):
             self._reweight = mixture.get("weights")  # load_state_dict starts a segment with this run's weights
+        batch = saved.get("batch_size")
+        if allowed is not None and allowed("batch_size") and type(batch) is int and 0 < batch != self.plan.batch_size:
+            self._rebatch = batch  # load_state_dict continues the position in batches of this run's size
+
+    def _rebatching(self, saved_plan: dict[str, Any]) -> bool:
+        """Whether ``saved_plan`` differs in the batch size the restore allowed to change, at this world size (at
+        another, :meth:`resharded_state` continues the position)."""
+        return self._rebatch is not None and saved_plan.get("batch_size") == self._rebatch \
+            and saved_plan.get("world_size") == self.plan.world_size
 
     def _resumed_plan(self, saved: dict[str, Any]) -> tuple[Plan, bool]:
         """The plan that continues ``saved`` (adopted order, mixture segments), and whether it reweights."""

@@ -102,6 +102,8 @@ def _rehearse(manifest: Manifest, payload: dict[str, Any], fresh: TrainState,
         if live is None or not callable(getattr(live, "data_position", None)):
             raise DataMismatch(f"{name} records a data position for {component!r}, which the factory's "
                                "TrainState does not have")
+        if {f"loader.{component}.batch_size", f"loader.{component}.mixture.weights"} & set(allow_changes):
+            continue  # an allowed regrouping or reweighting: the next batch is deliberately another one
         got = live.data_position()
         if (got["epoch"], got["cursor"], got["next_batch"]) != (
                 position["epoch"], position["cursor"], position["next_batch"]):

@@ -160,18 +160,86 @@ def allowed(change: FieldChange, allow: Iterable[str]) -> bool:
 
 def check(saved: Mapping[str, Any], live: Mapping[str, Any], generation: str,
           allow: Iterable[str] = ()) -> list[FieldChange]:
-    """Every change between the saved and live contracts; raise ContractMismatch unless each is allowed."""
+    """Every change between the saved and live contracts; raise ContractMismatch unless each is allowed.
+
+    In a multi-rank contract, a loader's ``batch_size`` that changes with the
+    world size so that the global batch (world size times batch size) stays
+    the same is accepted with ``world_size``: the loader then continues the
+    uninterrupted run's updates exactly. Any other change of a loader's batch
+    size changes the global batch, so it needs its own
+    ``allow_changes=["loader.<name>.batch_size"]``.
+    """
     allow = list(allow)
     changes = compare(saved, live)
-    refused = [c for c in changes if not allowed(c, allow)]
+    # accepted with the world size, or refused through it: never a refusal of its own
+    follows = [c for c in changes if _keeps_global_batch(c.field, saved, live)]
+    refused = [c for c in changes if not allowed(c, allow) and c not in follows]
     if refused:
-        raise ContractMismatch(generation, refused, fixed=[c.field for c in refused if c.field.startswith(FIXED)])
+        raise ContractMismatch(generation, refused, fixed=[c.field for c in refused if _fixed(c.field)],
+                               notes=_batch_notes(refused, saved, live, allow))
     return changes
 
 
-# A loader's plan gives its saved position a meaning: allowing a change to it only moves the refusal to the
-# loader (DataMismatch), so the mismatch message never suggests it.
+# A loader's plan gives its saved position a meaning: a change of most of it would make the position name other
+# samples (DataMismatch at the loader), so the mismatch message never suggests allowing it. ADJUSTABLE keys are
+# those the loader continues across, from the samples consumed.
 FIXED = ("loader.",)
+ADJUSTABLE = ("batch_size", "mixture.weights")
+
+
+def _fixed(field: str) -> bool:
+    parts = field.split(".", 2)
+    return field.startswith(FIXED) and not (len(parts) == 3 and parts[2] in ADJUSTABLE)
+
+
+def _global_batch(fields: Mapping[str, Any], loader: str) -> tuple[int, int] | None:
+    """``(world size, batch size)`` of loader ``loader``: a multi-rank contract records the world size on its own
+    (its loader plans leave it out), a single process's loader plan holds its own."""
+    plan = fields.get(f"loader.{loader}")
+    if type(plan) is not dict:
+        return None
+    world, batch = fields.get("world_size", plan.get("world_size", 1)), plan.get("batch_size")
+    return (world, batch) if type(world) is int and type(batch) is int and world > 0 and batch > 0 else None
+
+
+def _keeps_global_batch(field: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
+    """``field`` is a loader's batch size, changed with the world size of a multi-rank run, its global batch kept."""
+    parts = field.split(".")
+    if len(parts) != 3 or parts[0] != "loader" or parts[2] != "batch_size" or "world_size" not in saved:
+        return False
+    old, new = _global_batch(saved, parts[1]), _global_batch(live, parts[1])
+    return old is not None and new is not None and old[0] != new[0] and old[0] * old[1] == new[0] * new[1]
+
+
+def _batch_notes(refused: list[FieldChange], saved: Mapping[str, Any], live: Mapping[str, Any],
+                 allow: list[str]) -> list[str]:
+    """For each loader whose global batch a refused field (its batch size, the world size) concerns: what the
+    change does to the global batch, and how to keep it, the exact continuation."""
+    fields = {c.field for c in refused}
+    notes = []
+    for key in sorted(k for k in live if k.startswith("loader.") and k.count(".") == 1):
+        name = key.split(".")[1]
+        old, new = _global_batch(saved, name), _global_batch(live, name)
+        field = f"{key}.batch_size"
+        if old is None or new is None or old == new or not fields & {field, "world_size"}:
+            continue
+        (w0, b0), (w1, b1) = old, new
+        if _keeps_global_batch(field, saved, live):
+            notes.append(f"{field} changes with the world size and keeps the global batch (world_size x batch_size: "
+                         f"{w0} x {b0} = {w1} x {b1}): allow_changes=['world_size'] accepts both, and the data order "
+                         "then continues the uninterrupted run's updates exactly.")
+            continue
+        wanted = list(dict.fromkeys(allow + ["world_size"] * (w0 != w1) + [field] * (b0 != b1)))
+        keep = (f"To continue the uninterrupted run's updates exactly, keep it: construct the loader with "
+                f"batch_size={w0 * b0 // w1}." if w0 * b0 % w1 == 0 else
+                f"No batch size keeps it at world size {w1}, which does not divide {w0 * b0}: only a world size that "
+                "divides it continues the uninterrupted run's updates exactly.")
+        notes.append(f"The global batch of {key} (world_size x batch_size) changes from {w0 * b0} ({w0} x {b0}) to "
+                     f"{w1 * b1} ({w1} x {b1}). {keep} "
+                     f"To accept another global batch, pass allow_changes={wanted!r}: the samples then continue in "
+                     "the same order, grouped into updates of another size (not the uninterrupted run's), and the "
+                     "restore warns so (RestoreInfo.warnings).")
+    return notes
 
 
 def digest(fields: Mapping[str, Any]) -> str:
