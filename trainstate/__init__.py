@@ -29,7 +29,7 @@ from .errors import (EXIT_PERMANENT, AbandonedIteratorWarning, CheckpointFailed,
                      CorruptGeneration, DataMismatch, DirectoryLocked, ExistingRun, FieldChange, GenerationExists,
                      GenerationNotFound, InsufficientSpace, InvalidArgument, InvalidType, NoValidGeneration,
                      PendingGradients, PinNotFound, PointerRollback, ReadOnlyDirectory, Rejection, RunDirectoryGone,
-                     SaveNotJoined, StaleIterator, StateMismatch, StateUnusable, StorageAccessDenied, StorageNotFound,
+                     SaveNotJoined, SigningKeyRequired, StaleIterator, StateMismatch, StateUnusable, StorageAccessDenied, StorageNotFound,
                      StorageUnavailable, TopologyMismatch, TrainStateError, UnsupportedValue, WeightsOnlyGeneration,
                      exit_code_for)
 from .format.signing import SigningKey
@@ -89,6 +89,7 @@ __all__ = [
     "SaveHandle",
     "SaveNotJoined",
     "SigningKey",
+    "SigningKeyRequired",
     "StaleIterator",
     "StateMismatch",
     "StateUnusable",

@@ -25,6 +25,7 @@ describes the same situation, the subclass inherits it too, so existing
     ├── CheckpointFailed(RuntimeError)   a multi-rank save or restore failed on some rank (named)
     │   └── SaveNotJoined                not every rank entered a (collective) save
     ├── PointerRollback                  ``latest`` names an older generation than a newer valid one
+    ├── SigningKeyRequired               a signed run opened without its key (would save unsigned)
     ├── InsufficientSpace(OSError)       the disk cannot hold the next generation (errno ENOSPC)
     ├── ReadOnlyDirectory(PermissionError) saving into a directory this process cannot write
     ├── RunDirectoryGone(FileNotFoundError) the run directory was removed or replaced while open
@@ -285,6 +286,11 @@ class PointerRollback(TrainStateError):
     """``latest`` names an older generation than a newer, valid full generation of the same timeline."""
 
 
+class SigningKeyRequired(TrainStateError):
+    """A run whose generations are signed was opened without its signing key; the message names where the key
+    comes from and ``signing_key=False``, the deliberate way to go on unsigned."""
+
+
 class ReadOnlyDirectory(TrainStateError, PermissionError):
     """Saving needs a run directory this process can write; reading does not."""
 
@@ -338,7 +344,7 @@ EXIT_PERMANENT = 78
 PERMANENT = (ContractMismatch, DataMismatch, InvalidArgument, InvalidType, UnsupportedValue, PendingGradients,
              TopologyMismatch, StateMismatch, WeightsOnlyGeneration, NoValidGeneration, ExistingRun,
              GenerationExists, PointerRollback, InsufficientSpace, ReadOnlyDirectory, RunDirectoryGone,
-             StorageAccessDenied, StorageNotFound, StaleIterator, SaveNotJoined)
+             StorageAccessDenied, StorageNotFound, StaleIterator, SaveNotJoined, SigningKeyRequired)
 
 
 def exit_code_for(exc: BaseException) -> int:

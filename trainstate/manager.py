@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import publish, restore as restore_mod
-from .lifecycle import runs
+from .lifecycle import keyless, runs
 from .asyncsave import SaveHandle, Ticket, Writer, report_at_exit
 from .progress import log_rate
 from .errors import InvalidArgument, NoValidGeneration, ReadOnlyDirectory, Rejection
@@ -74,8 +74,9 @@ class CheckpointManager:
     per file. ``verify`` after the rename: ``"fast"`` (manifest digest, file set, sizes; every byte was
     already read back during its fsync) or ``"full"`` (re-hash everything). ``rehearse``: a function
     returning a fresh :class:`TrainState`, restored into before each new full generation's pointer moves.
-    ``signing_key`` (or ``TRAINSTATE_SIGNING_KEY[_FILE]``): HMAC-SHA256 of manifests and pointers. ``preflight``/``headroom``: refuse before staging when the disk
-    is short. ``cadence=Cadence(mtbf_s=...)``: :meth:`due` picks the interval.
+    ``signing_key`` (or ``TRAINSTATE_SIGNING_KEY[_FILE]``): HMAC-SHA256 of manifests and pointers; a signed run
+    opened without its key raises :class:`SigningKeyRequired` (``signing_key=False``: go on unsigned, on
+    purpose). ``preflight``/``headroom``: refuse before staging when the disk is short. ``cadence=Cadence(mtbf_s=...)``: :meth:`due` picks the interval.
     Under ``torch.distributed`` (an initialized default group, or
     ``process_group=``) every method is collective and the generation is
     sharded through ``torch.distributed.checkpoint``; checkpoint collectives
@@ -94,7 +95,8 @@ class CheckpointManager:
     every N-th whole; ``None`` writes every generation whole (docs/guides/incremental.md)."""
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
-                 digest: str | None = None, verify: str = "fast", signing_key: SigningKey | bytes | str | None = None,
+                 digest: str | None = None, verify: str = "fast",
+                 signing_key: SigningKey | bytes | str | bool | None = None,
                  store: Store | None = None, rehearse: Factory | None = None, preflight: bool = True,
                  headroom: float = 0.05, cadence: Cadence | None = None, max_in_flight: int = 1,
                  process_group: Any = None, collective_timeout_s: float = 600.0,
@@ -114,6 +116,7 @@ class CheckpointManager:
         self.rehearse_factory = rehearse
         self.cadence = cadence
         self.lifecycle = Lifecycle(self.store, self.key)
+        keyless.check(self.lifecycle, signing_key)  # a signed run without its key: refused (False: go on unsigned)
         with pinned(self.store):  # an object store reads each commit record once here
             self.retention = runs.effective_policy(self.lifecycle, keep_last, retention)
         self._new_timelines: set[str] = set()  # declared by start_new_timeline()

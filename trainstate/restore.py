@@ -29,6 +29,7 @@ The trusted reading itself (pointer, manifest, digests, strict decoding) is
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
@@ -41,7 +42,7 @@ from .format.digest import is_chunked
 from .format.manifest import (POINTER, RUN, STATE, Manifest, Pointer, generation_order, parse_generation_name,
                               parse_pointer, parse_run)
 from .format.signing import SigningKey
-from .lifecycle.generations import new_timeline
+from .lifecycle.generations import Lifecycle, new_timeline
 from .progress import Bar, optional
 from .records import GenerationInfo, RestoreInfo
 from .state import contract as contract_mod
@@ -225,6 +226,8 @@ def candidates(store: Store, key: SigningKey | None) -> Candidates:
     complete, so rolling forward loses nothing, signed or not, and a pointer
     replayed one step back gains an attacker nothing. Further ahead, in a
     signed run, means a pointer replayed further back: :class:`PointerRollback`.
+    A pointer left at a fork point has two timelines ahead: only the one the
+    run saved to last counts (:func:`current_branch`), never the abandoned one.
     """
     names, run, (pointer, problem) = _listing_run_pointer(store, key)
     full = [n for n in names if parse_generation_name(n)[1] == "full"]
@@ -237,45 +240,57 @@ def candidates(store: Store, key: SigningKey | None) -> Candidates:
     if pointer is None:
         return Candidates(tuple(full), None, tuple(rejected), frozenset(full), run=run)
     rest = [n for n in full if n != pointer.generation]
-    ahead = _descendants_ahead(store, key, pointer, rest, run)
+    ahead, abandoned = _descendants_ahead(store, key, pointer, rest, run)
     if ahead:
-        newest = ahead[0][0]
-        one_step = len(ahead) == 1 and ahead[0][1].parent == pointer.generation
-        if key is not None and not one_step:
-            raise PointerRollback(
-                f"{store.location}: latest names {pointer.generation}, but {newest}, a newer validly signed "
-                f"generation of the same timeline, exists ({len(ahead)} newer in all): the pointer was rolled back. "
-                "Nothing was loaded. Find out who replaced the pointer; to resume deliberately from a generation, "
-                "pass restore(state, generation=...).")
-        if one_step:
-            reason = (f"names {pointer.generation}, but {newest}, committed after it and descending from it, is "
-                      "complete: a save interrupted between its commit and the pointer move (or latest replayed one "
-                      f"step back); rolling forward to {newest}")
-            log.warning("%s: latest %s", store.location, reason)
-        else:
-            reason = (f"names {pointer.generation}, but {newest} and {len(ahead) - 1} more are newer generations of "
-                      "the same timeline: the pointer was rolled back (copied back into place?); restoring the "
-                      "newest valid generation instead")
-            log.error("%s: latest %s", store.location, reason)
-        rejected.append(Rejection(POINTER, reason))
+        rejected.append(Rejection(POINTER, _left_behind(store, key, pointer, ahead, abandoned)))
         first = [name for name, _ in ahead]
         return Candidates(tuple(first + [pointer.generation] + [n for n in rest if n not in first]), pointer,
                           tuple(rejected), frozenset(full), run=run)
     return Candidates(tuple([pointer.generation] + rest), pointer, tuple(rejected), frozenset(full), run=run)
 
 
+def _left_behind(store: Store, key: SigningKey | None, pointer: Pointer, ahead: list[tuple[str, Manifest]],
+                 abandoned: list[str]) -> str:
+    """Why restore rolls forward past ``latest`` to ``ahead[0]`` (logged); a signed run's pointer rolled back
+    further than one step raises :class:`PointerRollback`. ``abandoned``: newer descendants it does not resume."""
+    newest = ahead[0][0]
+    one_step = len(ahead) == 1 and ahead[0][1].parent == pointer.generation
+    passed = "" if not abandoned else (
+        f"; {', '.join(abandoned)}, newer but on a timeline the run abandoned after {pointer.generation} (it resumed "
+        f"from an older generation, and {newest} was written after {'it' if len(abandoned) == 1 else 'them'}), "
+        f"{'is' if len(abandoned) == 1 else 'are'} not resumed")
+    if key is not None and not one_step:
+        raise PointerRollback(
+            f"{store.location}: latest names {pointer.generation}, but {newest}, a newer validly signed "
+            f"generation of the same timeline, exists ({len(ahead)} newer in all{passed}): the pointer was rolled "
+            "back. Nothing was loaded. Find out who replaced the pointer; to resume deliberately from a generation, "
+            "pass restore(state, generation=...).")
+    if one_step:
+        reason = (f"names {pointer.generation}, but {newest}, committed after it and descending from it, is "
+                  "complete: a save interrupted between its commit and the pointer move (or latest replayed one "
+                  f"step back); rolling forward to {newest}{passed}")
+        log.warning("%s: latest %s", store.location, reason)
+    else:
+        reason = (f"names {pointer.generation}, but {newest} and {len(ahead) - 1} more are newer generations of "
+                  "the same timeline: the pointer was rolled back (copied back into place?); restoring the "
+                  f"newest valid generation instead{passed}")
+        log.error("%s: latest %s", store.location, reason)
+    return reason
+
+
 def _descendants_ahead(store: Store, key: SigningKey | None, pointer: Pointer, others: list[str],
-                       run: str | None) -> list[tuple[str, Manifest]]:
-    """Structurally valid full generations newer than the pointer's that descend from it, newest first."""
+                       run: str | None) -> tuple[list[tuple[str, Manifest]], list[str]]:
+    """Structurally valid full generations newer than the pointer's that descend from it on the timeline the run
+    saved to last, newest first, and those on a timeline it abandoned (:func:`current_branch`)."""
     newer = [n for n in others if generation_order(n) > generation_order(pointer.generation)]
     if not newer:
-        return []
+        return [], []
     try:
         base = verify_generation(store, pointer.generation, pointer, content=False, key=key).manifest
     except CorruptGeneration:
-        return []  # the pointer's own generation is damaged: the ordinary fallback handles it
+        return [], []  # the pointer's own generation is damaged: the ordinary fallback handles it
     if not base.lineage:
-        return []  # written before timelines were recorded: no way to tell a descendant
+        return [], []  # written before timelines were recorded: no way to tell a descendant
     own = base.lineage[-1][0]
     out = []
     for name in newer:
@@ -286,7 +301,39 @@ def _descendants_ahead(store: Store, key: SigningKey | None, pointer: Pointer, o
             continue
         if any(t == own and (end is None or base.next_update <= end) for t, end in manifest.lineage):
             out.append((name, manifest))
-    return out
+    return current_branch(out)
+
+
+def current_branch(descendants: list[tuple[str, Manifest]]) -> tuple[list[tuple[str, Manifest]], list[str]]:
+    """Of a generation's descendants (newest first), those on the timeline the run saved to last, and the names
+    of the others (newest first).
+
+    A fork (a restore from an older generation, then saves) leaves the
+    timeline it abandoned in place, and both descend from the fork point:
+    a ``latest`` rolled back there has two timelines ahead of it. Every save
+    moved ``latest`` to what it wrote, so the timeline the pointer last named
+    is the one whose newest generation was written last: that tip (by its
+    manifest's ``created`` time, among descendants no other one continues)
+    and its ancestors. Update numbers cannot tell: the abandoned timeline
+    often reached further. Lineage records, not times, say what continues what.
+    """
+    if len(descendants) < 2:
+        return descendants, []
+    manifests = dict(descendants)
+    below = {name: Lifecycle.lineage(name, manifests) for name in manifests}
+    tips = [name for name in manifests if not any(name in below[other] for other in manifests if other != name)]
+    tip = max(tips, key=lambda name: (_created(manifests[name]), generation_order(name)))
+    return ([(name, manifest) for name, manifest in descendants if name in below[tip]],
+            [name for name, _ in descendants if name not in below[tip]])
+
+
+def _created(manifest: Manifest) -> datetime.datetime:
+    """When ``manifest``'s generation was written (an unreadable time sorts first)."""
+    try:
+        created = datetime.datetime.fromisoformat(manifest.created)
+    except ValueError:
+        return datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+    return created if created.tzinfo else created.replace(tzinfo=datetime.timezone.utc)
 
 
 def recovery_point(store: Store, key: SigningKey | None) -> str | None:

@@ -12,6 +12,10 @@ transformers installed.
 Only a real directory whose whole name matches is ever deleted: a
 ``checkpoint-N`` folder Trainer could resume from, the seal pointer, a
 symbolic link or anything else is refused by name.
+
+The same command discards a trainstate run's set-aside generations;
+:func:`choose_mode` decides which kind of directory it was given, from what the
+directory holds (see its docstring), never from one stray ``checkpoint-N``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import secrets
 from pathlib import Path
 
 from ..errors import InvalidArgument
+from ..format.manifest import PINS, POINTER, RUN, WEIGHTS_POINTER
+from ..storage.local import LocalStore
 from ..storage.posix import PosixOps
 
 REASONS = ("incomplete", "abandoned")
@@ -44,15 +50,44 @@ def set_aside(output_dir: Path) -> list[str]:
                   if ASIDE_RE.fullmatch(n) and not (output_dir / n).is_symlink() and (output_dir / n).is_dir())
 
 
-def is_output_dir(directory: str, names: list[str]) -> bool:
-    """Whether ``trainstate discard`` is about a Hugging Face output directory rather than a run: a local
-    directory holding the callback's folders or its seal pointer, or every name given in the set-aside pattern."""
+def choose_mode(directory: str, names: list[str], forced: str | None = None) -> str:
+    """``"run"`` or ``"hf"``: whether ``trainstate discard`` is about a trainstate run or a Hugging Face output
+    directory (``forced``: the user's ``--mode``).
+
+    Names that are all in one mode's set-aside pattern choose it. Otherwise the directory does: a run's
+    markers (generations, pointers, set-aside generations) make it a run, whatever else lies beside it (a
+    stray ``checkpoint-N`` folder is no sign of an output directory there); the callback's set-aside folders
+    or its seal pointer make it an output directory; both at once is refused, naming both and ``--mode``.
+    A directory with neither is an output directory when it holds ``checkpoint-N`` folders, else a run
+    (whose own command then says what is missing); a URL is always a run.
+    """
     root = Path(directory)
-    if "://" in directory or not root.is_dir():
-        return False
+    local = "://" not in directory and root.is_dir()
+    if forced == "hf" and not local:
+        raise InvalidArgument(f"--mode hf needs the Trainer's output directory, a local directory; {directory} is not")
+    if forced is not None or not local:
+        return forced or "run"
+    store = LocalStore(root, create=False)
     if names and all(ASIDE_RE.fullmatch(n) for n in names):
-        return True
-    return any(ASIDE_RE.fullmatch(n) or _CHECKPOINT_RE.fullmatch(n) or n == _MARKER for n in os.listdir(root))
+        return "hf"
+    if names and set(names) <= set(store.aside()):
+        return "run"
+    listing = sorted(os.listdir(root))
+    run = [n for n in listing if n in (POINTER, WEIGHTS_POINTER, RUN, PINS)] + store.generations() + store.aside()
+    hf = [n for n in listing if ASIDE_RE.fullmatch(n) or n == _MARKER]
+    if run and hf:
+        raise InvalidArgument(
+            f"{root} holds both a trainstate run ({_some(run)}) and what the Hugging Face callback leaves in an "
+            f"output directory ({_some(hf)}); nothing was discarded. Say which to discard from: --mode run for the "
+            "run's set-aside generations (as `trainstate ls` lists them), --mode hf for the "
+            "incomplete-/abandoned-checkpoint-N-<hex> folders; or name the entries")
+    if run or hf:
+        return "run" if run else "hf"
+    return "hf" if any(_CHECKPOINT_RE.fullmatch(n) for n in listing) else "run"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(sorted(set(names))[:3]) + (", ..." if len(set(names)) > 3 else "")
 
 
 def discard(directory: str, names: list[str], every: bool) -> list[str]:

@@ -15,6 +15,7 @@ from . import sla as cli_sla
 from ..lifecycle import cadence as cadence_mod
 from ..format import signing
 from ..errors import InvalidArgument, TrainStateError
+from ..lifecycle import keyless
 from ..lifecycle.generations import Lifecycle
 from ..storage.base import Store
 from ..storage.locate import open_existing
@@ -23,9 +24,13 @@ from ..lifecycle.retention import Retention, plan
 from ..storage.verify import read_manifest
 
 
-def _lifecycle(directory: str) -> tuple[Store, Lifecycle]:
+def _lifecycle(directory: str, writing: str | None = None) -> tuple[Store, Lifecycle]:
+    """The run's lifecycle, its key from the environment; ``writing`` (what for): a signed run refuses it keyless."""
     store = open_existing(directory)
-    return store, Lifecycle(store, signing.resolve(None, store.location))
+    life = Lifecycle(store, signing.resolve(None, store.location))
+    if writing is not None:
+        keyless.refuse(life, writing, command=True)
+    return store, life
 
 
 def _policy(life: Lifecycle, args: argparse.Namespace) -> tuple[Retention, str]:
@@ -78,7 +83,7 @@ def _policy_json(policy: Retention) -> dict[str, Any]:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    _, life = _lifecycle(args.directory)
+    _, life = _lifecycle(args.directory, "pinning")
     life.pin(args.name, args.generation)
     print(json.dumps({"pinned": args.name, "generation": args.generation}) if args.json
           else f"pinned {args.generation} as {args.name!r}")
@@ -86,7 +91,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
-    _, life = _lifecycle(args.directory)
+    _, life = _lifecycle(args.directory, "unpinning")
     generation = life.unpin(args.name)
     print(json.dumps({"unpinned": args.name, "generation": generation}) if args.json
           else f"unpinned {args.name!r} ({generation} is pruned by the next prune unless another rule keeps it)")

@@ -85,7 +85,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_discard(args: argparse.Namespace) -> int:
     """Delete set-aside generations after review (never a generation restore could use); in a Hugging Face
     output directory, the checkpoint folders the callback set aside (never a ``checkpoint-N``)."""
-    if cli_hfdiscard.is_output_dir(args.directory, args.names):
+    if cli_hfdiscard.choose_mode(args.directory, args.names, args.mode) == "hf":
         names = cli_hfdiscard.discard(args.directory, args.names, args.all)
         print(json.dumps({"discarded": names}) if args.json else "\n".join(f"discarded {n}" for n in names))
         return 0
@@ -100,16 +100,28 @@ def cmd_discard(args: argparse.Namespace) -> int:
             f"`trainstate ls {store.location}` lists them (rejected and abandoned ones can be discarded)")
     store.lock()  # a live run may be setting something aside right now
     try:
-        for name in names:
-            store.remove(name)
+        notes = [_discard_entry(store, name) for name in names]
     finally:
         store.unlock()
     if args.json:
         print(json.dumps({"discarded": names}))
     else:
-        for name in names:
-            print(f"discarded {name}")
+        for name, note in zip(names, notes):
+            print(f"discarded {name}{note}")
     return 0
+
+
+def _discard_entry(store: Store, name: str) -> str:
+    """Remove one set-aside entry; returns what to add to its line. The library sets aside only directories; a
+    symbolic link or a file under such a name is unlinked (a link never followed: its target stays as it is)."""
+    path = Path(store.location) / name
+    if getattr(store, "remote", False) or (path.is_dir() and not path.is_symlink()):
+        store.remove(name)
+        return ""
+    target = os.readlink(path) if path.is_symlink() else None
+    os.unlink(path)
+    store.ops.fsync_dir(path.parent)
+    return "" if target is None else f" (a symbolic link: the link removed, its target {target} untouched)"
 
 
 def _total_bytes(store: Store, names: list[str], key: Any) -> int | None:
@@ -329,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "none given, the error lists them)")
     p.add_argument("--all", action="store_true", help="every rejected and abandoned entry (Hugging Face: every "
                    "set-aside folder; checkpoint-N folders are never touched)")
+    p.add_argument("--mode", choices=("run", "hf"), default=None, help="what DIRECTORY is, where it holds both a "
+                   "run and the Hugging Face callback's folders (default: from what it holds; a stray checkpoint-N "
+                   "folder in a run directory does not make it an output directory)")
     p.set_defaults(func=cmd_discard)
     cli_lifecycle.register(sub)
     cli_copy.add_parser(sub)

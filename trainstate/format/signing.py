@@ -10,7 +10,8 @@ The key comes from ``CheckpointManager(signing_key=...)``, or the environment:
 ``TRAINSTATE_SIGNING_KEY`` (the key itself) or ``TRAINSTATE_SIGNING_KEY_FILE``
 (a file holding it). It is never written to the run directory, and a key file
 inside the run directory is refused. Without a key, signatures are neither
-written nor checked.
+written nor checked; a manager opened without one on a signed run refuses
+(:mod:`trainstate.lifecycle.keyless`) unless given ``signing_key=False``.
 """
 
 from __future__ import annotations
@@ -58,10 +59,17 @@ def canonical(body: dict) -> bytes:
                       separators=(",", ":")).encode()
 
 
-def resolve(key: SigningKey | bytes | str | None, run_directory: str | Path | None = None) -> SigningKey | None:
-    """The key to use: the explicit one, else the environment's, else ``None``."""
+def resolve(key: SigningKey | bytes | str | bool | None, run_directory: str | Path | None = None
+            ) -> SigningKey | None:
+    """The key to use: the explicit one, else the environment's, else ``None``. ``False``: none, whatever the
+    environment says (the deliberate choice to save unsigned, see :func:`trainstate.lifecycle.keyless.check`)."""
     if isinstance(key, SigningKey):
         return key
+    if key is False:
+        return None
+    if key is True:
+        raise InvalidArgument("signing_key=True names no key: pass the key itself (or set "
+                              f"{ENV_KEY} / {ENV_KEY_FILE}), or signing_key=False to save unsigned")
     if key is not None:
         return SigningKey(key)
     if os.environ.get(ENV_KEY):

@@ -5,6 +5,7 @@
 - ``cadence``: when to save (Young/Daly) and the measurements behind it.
 - ``preemption``: signals turned into a save at the next boundary.
 - ``rehearsal``: a restart into fresh objects, to prove a generation restores.
+- ``keyless``: a signed run opened without its key (refused unless ``signing_key=False``).
 - ``done``: the DONE record that says a run finished, and its verification.
 - ``compute``: device kinds and wall time summed over a lineage's updates, recorded in each manifest.
 - ``supervise`` / ``supervisor``: the bounded restart policy (pure) and the process loop applying it.

@@ -49,6 +49,7 @@ class Lifecycle:
         # how a generation's structure is checked (default: every file present at its size); a node of a tiered
         # run holds only its part of each generation, and checks that part
         self.structure_check: Callable[[str], Manifest] | None = None
+        self.allow_unsigned = False  # signing_key=False: keyless saves into a signed run, chosen (see keyless.py)
 
     # pins --------------------------------------------------------------------
     def pins(self) -> dict[str, str]:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Collection
 
 from ..errors import ExistingRun, InvalidArgument, InvalidType
+from . import keyless
 from .generations import Lifecycle
 from .retention import Retention
 
@@ -65,11 +66,13 @@ def check_same_run(lifecycle: Lifecycle, lineage: list | None, known: Collection
     when it shares a timeline with the newest full generation (it was
     restored from, or saved into, this run), or when its current timeline is
     in ``known`` (already checked, or declared by ``start_new_timeline``).
-    Returns the state's current timeline once it is known to belong.
+    Returns the state's current timeline once it is known to belong. A
+    manager without the key refuses to save into a signed run (:mod:`.keyless`).
     """
     ours = [t for t, _ in lineage or []]
     if ours and ours[-1] in known:
         return ours[-1]
+    keyless.refuse(lifecycle)  # a keyless save into a signed run (the manager's open checked it too)
     newest = lifecycle.newest_full()
     theirs = {t for t, _ in newest.lineage} if newest is not None else set()
     if newest is None or not theirs or theirs & set(ours):
