@@ -160,6 +160,16 @@ def test_four_nodes_in_two_racks_replicas_across_racks_and_a_shard_lost_with_eve
         holders = _holders(dirs, f"rank-{rank:05d}.safetensors")
         assert len(holders) == 2 and len({racks[i]["TS_DOMAIN"] for i in holders}) == 2, (rank, holders)
 
+    # each node's directory back under another GROUP_RANK (the disks of the two machines of a rack swapped, as a
+    # scheduler may give them back): the nodes are numbered anew, each holding files of ranks it no longer runs;
+    # the restore reads every file from whichever node holds it, bitwise
+    swapped = [dirs[1], dirs[0], dirs[3], dirs[2]]
+    moved = _resumed(launch_nodes(out, swapped, ["tier_resume"], worker=WORKER, nproc=1, node_env=racks),
+                     "tier_resume", 4)
+    trained = {r["node_dir"]: r["group_rank"] for r in launch.ok("tier_train", 4)}
+    assert all(trained[r["node_dir"]] != r["group_rank"] for r in moved), (trained, moved)
+    assert moved[0]["generation"] == GEN and moved[0]["sources"]["peer"] > 0 and moved[0]["sources"]["remote"] == 0
+
     # one node lost: its rank's files come from the replica in the other rack, bitwise
     lost = _holders(dirs, "rank-00001.safetensors")[0]
     shutil.rmtree(dirs[lost])
@@ -175,6 +185,8 @@ def test_four_nodes_in_two_racks_replicas_across_racks_and_a_shard_lost_with_eve
     failed = launch_nodes(out, dirs, ["tier_resume"], worker=WORKER, nproc=1, node_env=racks)
     for result in failed.ok("tier_resume", 4):  # every rank raises the same typed error, nothing loads
         assert result["raised"] == "NoValidGeneration" and "no surviving node holds" in result["message"], result
+        # it points to reading every node's directory together, naming each (one node's alone is refused)
+        assert "trainstate nodes" in result["message"] and all(str(d) in result["message"] for d in dirs), result
 
 
 def test_ddp_with_background_saves_then_a_reshard_onto_one_node(tmp_path):

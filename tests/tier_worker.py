@@ -91,7 +91,7 @@ def tier_train(out: Path) -> dict:
         save_file(full, str(out.parent / "ref_full.safetensors"))
     save_file(dw.rank_state(reference), str(out.parent / f"ref_rank{dist.get_rank()}.safetensors"))
     dist.barrier()
-    return {"tiers": status, "node_dir": str(node_dir())}
+    return {"tiers": status, "node_dir": str(node_dir()), "group_rank": os.environ["GROUP_RANK"]}
 
 
 def _resume(out: Path, control: bool = False, **restore) -> dict:
@@ -122,7 +122,7 @@ def _resume(out: Path, control: bool = False, **restore) -> dict:
             "rejected": [[r.generation, r.reason] for r in info.rejected],
             "full_differs": dw.same(dw.full_state(state), want_full),
             "rank_differs": dw.same(dw.rank_state(state), want_rank), "tiers": after, "node_dir": str(node_dir()),
-            "warnings": warned.messages, "at_return": at_return}
+            "warnings": warned.messages, "at_return": at_return, "group_rank": os.environ["GROUP_RANK"]}
 
 
 def _pointers_now() -> dict:

@@ -200,18 +200,24 @@ class Rejection:
 class NoValidGeneration(TrainStateError, FileNotFoundError):
     """No committed generation verified; ``rejections`` says why each failed."""
 
-    def __init__(self, directory: str, rejections: list[Rejection], *, unusable: str | None = None):
+    def __init__(self, directory: str, rejections: list[Rejection], *, unusable: str | None = None,
+                 nodes: list[str] | None = None):
         self.directory = directory
         self.rejections = list(rejections)
         self.unusable = unusable
+        self.nodes = nodes  # node-local tiers: every node's directory ("host:path"), read together to inspect
         detail = "\n  ".join(f"{r.generation}: {r.reason}" for r in self.rejections) or "(none found)"
         loaded = ("nothing was loaded" if unusable is None else
                   f"the TrainState is UNUSABLE ({unusable}): rebuild the live objects before anything else, every "
                   "save refuses it")
+        where = f"in {directory}" if nodes is None else f"on the {len(nodes)} nodes' directories ({', '.join(nodes)})"
+        inspect = ("Inspect with `trainstate verify DIR`." if nodes is None else
+                   "Inspect them together with `trainstate nodes DIR1 DIR2 ...` (every node's directory, copied to "
+                   "one machine or on a shared mount): one node's directory holds only its part of each generation, "
+                   "so `trainstate verify` refuses it.")
         super().__init__(
-            f"no generation in {directory} verified; {loaded}, and nothing was deleted. Tried:\n  {detail}\n"
-            "Inspect with `trainstate verify DIR`. To start over, point the manager at a new directory "
-            "rather than deleting this evidence."
+            f"no generation {where} verified; {loaded}, and nothing was deleted. Tried:\n  {detail}\n"
+            f"{inspect} To start over, point the manager at a new directory rather than deleting this evidence."
         )
 
 

@@ -44,14 +44,24 @@ class GenerationInfo:
 
 @dataclass(frozen=True)
 class RestoreInfo:
-    """What ``restore`` loaded, what it skipped and what it accepted."""
+    """What ``restore`` loaded, what it skipped and what it accepted.
+
+    ``rejected``: every generation passed over, newest first, and why (a
+    damaged one, a pointer rolled back, one a mirror pull skipped).
+    ``sources`` (node-local tiers only, else ``None``): the bytes the restore
+    took from each kind of source, summed over every rank of the job, and the
+    same dict on every rank: ``"local"`` (read from a rank's own node's disk),
+    ``"peer"`` (received from a rank on another node) and ``"remote"``
+    (downloaded from the object store). A restart with every disk intact
+    shows ``peer == remote == 0``.
+    """
 
     generation: GenerationInfo
     rejected: tuple[Rejection, ...] = ()
     contract_changes: tuple[FieldChange, ...] = ()
     warnings: tuple[str, ...] = ()
     done: DoneRecord | None = None  # the run finished at this generation with this contract: exit at once
-    sources: dict | None = None  # a tiered restore: bytes loaded from each rank's own node, from peers, remote
+    sources: dict | None = None  # a tiered restore: {"local", "peer", "remote"} bytes, job totals on every rank
 
     @property
     def identical_continuation(self) -> bool:

@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -65,15 +66,20 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     refill = refill if refill is not None else (lambda job: job(ranks))
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     topo = tier.topology
-    report = {"holds": holdings(tier.stores(), key), "run": _recorded_run(tier, key)} if topo.is_leader else {}
+    report = {"holds": holdings(tier.stores(), key), "run": _recorded_run(tier, key),
+              "where": f"{os.uname().nodename}:{tier.own.location}"} if topo.is_leader else {}
     reports = ranks.all_gather(report, "report")
     held: dict[Any, dict] = {n: reports[topo.leader(n)]["holds"] for n in range(topo.nodes)}
     run = next((reports[topo.leader(n)]["run"] for n in range(topo.nodes) if reports[topo.leader(n)]["run"]), None)
     if tier.remote is not None and _needs_remote(held):  # else not one request to the object store
         held["remote"] = ranks.broadcast(_remote_holdings(tier.remote) if ranks.rank == 0 else None, "report")
     with load.untouched_unless_loaded(state) as loading:
-        return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading, refill,
-                        one_pass)
+        try:
+            return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading,
+                            refill, one_pass)
+        except NoValidGeneration as exc:  # named with every node's directory, to be read together
+            raise NoValidGeneration(exc.directory, exc.rejections, unusable=exc.unusable,
+                                    nodes=[reports[topo.leader(n)]["where"] for n in range(topo.nodes)]) from None
 
 
 def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[Any, dict], run: str | None,
