@@ -141,6 +141,16 @@ def test_two_nodes_resume_from_own_disk_from_a_replica_past_a_flipped_bit_and_af
     assert any("replicas/latest names" in f for f in report["failures"]), report["failures"]
     assert cli_main(["nodes", *map(str, dirs)]) == 1
 
+    # a deliberate return to update 4, then a save at 5: a restart resumes the timeline saved to last (gen 5), not
+    # the abandoned one's gen 6; the control (newest by update first, as before) resumes gen 6
+    forked = launch_nodes(out, dirs, ["tier_fork", "tier_resume_after_fork", "tier_resume_after_fork_control"],
+                          worker=WORKER, nproc=2)
+    for result in forked.ok("tier_fork", 4):
+        assert (result["restored"], result["saved"]) == ("gen-000000000004", "gen-000000000005"), result
+    assert all(r["generation"] == "gen-000000000005" for r in _resumed(forked, "tier_resume_after_fork", 4))
+    control = forked.ok("tier_resume_after_fork_control", 4)
+    assert all(r.get("generation") == GEN for r in control), control
+
 
 def _refilled(held: dict) -> bool:
     """A node's directory as restore returned: both pointers name the generation, its manifests are there."""

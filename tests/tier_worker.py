@@ -201,6 +201,38 @@ def tier_resume_refilled(out: Path) -> dict:
     return _resume(out)
 
 
+@scenario
+def tier_fork(out: Path) -> dict:
+    """A deliberate return to update 4 (restore(generation=...)), one update, a save: the run's timeline now forks
+    from update 4, and the generation at 6 lies on the timeline it left."""
+    state = dw.build(mode(), seed=42)
+    with tiered() as ckpt:
+        info = ckpt.restore(state, generation="gen-000000000004")
+        dw.train(state, 1)
+        saved = ckpt.save(state).name
+    return {"restored": info.generation.name, "saved": saved}
+
+
+@scenario
+def tier_resume_after_fork(out: Path) -> dict:
+    """The restart after the fork resumes gen 5, the timeline the run saved to last (its state is the
+    uninterrupted run's at update 5, so training on to update 10 meets the reference), not gen 6."""
+    return _resume(out)
+
+
+@scenario
+def tier_resume_after_fork_control(out: Path) -> dict:
+    """The control: candidates newest first by update, as in c81b50e: the abandoned timeline's gen 6 is resumed."""
+    from trainstate.distributed import tierload
+
+    current_first = tierload.current_first
+    tierload.current_first = lambda names, held, pointers: names
+    try:
+        return _resume(out)
+    finally:
+        tierload.current_first = current_first
+
+
 class _Collect(logging.Handler):
     """The library's warnings during one restore (what it passed over, and why)."""
 

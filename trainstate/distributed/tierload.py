@@ -49,8 +49,8 @@ from . import load
 from .group import Ranks
 from .share import raise_unavailable
 from .tierfetch import Holdings
-from .tiers import (Tier, broadcast_bytes, holdings, node_files, parse_shared_manifest, placement, rank_files,
-                    verified_from)
+from .tiers import (Tier, broadcast_bytes, holdings, node_files, parse_shared_manifest, placement, pointed,
+                    rank_files, verified_from)
 from .tiersave import _point, _recorded_run, _write_checked, check_holding
 
 log = logging.getLogger("trainstate")
@@ -66,17 +66,18 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     refill = refill if refill is not None else (lambda job: job(ranks))
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     topo = tier.topology
-    report = {"holds": holdings(tier.stores(), key), "run": _recorded_run(tier, key),
+    report = {"holds": holdings(tier.stores(), key), "run": _recorded_run(tier, key), "latest": _latest(tier, key),
               "where": f"{os.uname().nodename}:{tier.own.location}"} if topo.is_leader else {}
     reports = ranks.all_gather(report, "report")
     held: dict[Any, dict] = {n: reports[topo.leader(n)]["holds"] for n in range(topo.nodes)}
     run = next((reports[topo.leader(n)]["run"] for n in range(topo.nodes) if reports[topo.leader(n)]["run"]), None)
+    pointers = [reports[topo.leader(n)]["latest"] for n in range(topo.nodes)]
     if tier.remote is not None and _needs_remote(held):  # else not one request to the object store
         held["remote"] = ranks.broadcast(_remote_holdings(tier.remote) if ranks.rank == 0 else None, "report")
     with load.untouched_unless_loaded(state) as loading:
         try:
             return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading,
-                            refill, one_pass)
+                            refill, one_pass, pointers)
         except NoValidGeneration as exc:  # named with every node's directory, to be read together
             raise NoValidGeneration(exc.directory, exc.rejections, unusable=exc.unusable,
                                     nodes=[reports[topo.leader(n)]["where"] for n in range(topo.nodes)]) from None
@@ -84,11 +85,11 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
 
 def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[Any, dict], run: str | None,
              generation: str | None, allow: list[str], statistical_cuda: bool, loading: Any, refill: Any,
-             one_pass: bool = True) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+             one_pass: bool = True, pointers: list[str | None] = ()) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
     templates = load._templates(state)
     rejected: list[Rejection] = []
     names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
-    for name, digest in _candidates(held, run, generation, rejected):
+    for name, digest in _candidates(held, run, generation, rejected, pointers):
         holders = {n: h[name]["files"] for n, h in held.items() if h.get(name, {}).get("digest") == digest}
         data = _shared_manifest(name, holders, held, tier, ranks)
         for direct in dict.fromkeys((one_pass, False)):  # again without direct reads if one found damage
@@ -166,7 +167,7 @@ def _remote_holdings(remote: Any) -> dict[str, dict]:
                     log.warning("remote %s/%s is unreadable (%s)", remote.store.location, name, exc)
                     continue
                 out[name] = {"digest": digest, "run": manifest.run, "update": manifest.next_update, "tier": "remote",
-                             "count": len(manifest.files),
+                             "count": len(manifest.files), "lineage": manifest.lineage,
                              "files": {f.name: [f.size, "remote"] for f in manifest.files}}
     except (TrainStateError, OSError) as exc:
         log.error("cannot list the remote %s (%s); restoring from the nodes only", remote.store.location, exc)
@@ -186,15 +187,18 @@ def _shared_manifest(name: str, holders: dict[Any, dict], held: dict[Any, dict],
     return broadcast_bytes(ranks, data, first, "choose")
 
 
-def _candidates(held: dict[Any, dict], run: str | None, generation: str | None,
-                rejected: list[Rejection]) -> list[tuple[str, str]]:
-    """(name, manifest digest) newest first; a name the nodes hold under different manifests, or of another run,
-    is rejected. The remote's copy counts only with the digest the nodes hold (or where no node holds it)."""
+def _candidates(held: dict[Any, dict], run: str | None, generation: str | None, rejected: list[Rejection],
+                pointers: list[str | None] = ()) -> list[tuple[str, str]]:
+    """(name, manifest digest) on the run's current timeline first (:func:`current_first`), each part newest first;
+    a name the nodes hold under different manifests, or of another run, is rejected. The remote's copy counts
+    only with the digest the nodes hold (or where no node holds it)."""
     names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
     if generation is not None:
         names = [n for n in names if n == generation]
         if not names:
             rejected.append(Rejection(generation, "no node holds it"))
+    else:
+        names = current_first(names, held, pointers)
     out = []
     for name in names:
         entries = [h[name] for where, h in held.items() if name in h and where != "remote"]
@@ -207,6 +211,52 @@ def _candidates(held: dict[Any, dict], run: str | None, generation: str | None,
             continue
         out.append((name, entries[0]["digest"]))
     return out
+
+
+def current_first(names: list[str], held: dict[Any, dict], pointers: list[str | None]) -> list[str]:
+    """``names`` (newest first) with the generations of a timeline the run abandoned last.
+
+    The newest generation a node's ``latest`` names is where the run stands
+    (every save moves each node's pointer once its commit holds everywhere).
+    Newer generations that descend from it (a save whose pointers had not
+    all moved) come first, then it, then the older ones; a newer generation
+    that does not descend from it lies on a timeline the run left (it
+    resumed from an older generation, then saved): tried last, and never
+    before the current timeline, whatever update it reached. Without any
+    pointer (or lineage records), newest first."""
+    named = sorted({p for p in pointers if p in names}, key=generation_order)
+    if not named:
+        return names
+    pointer = named[-1]
+    base = _holding(held, pointer)
+    lineage = base.get("lineage") or []
+    if not lineage:
+        return names
+    own, update = lineage[-1][0], base["update"]
+
+    def descends(name: str) -> bool:
+        return any(t == own and (end is None or update <= end) for t, end in _holding(held, name).get("lineage", []))
+
+    newer = [n for n in names if generation_order(n) > generation_order(pointer)]
+    ahead = [n for n in newer if descends(n)]
+    left = [n for n in newer if n not in ahead]
+    if left:
+        log.info("trying %s last: newer than %s, which the nodes' latest names, but on a timeline the run left (it "
+                 "resumed from an older generation and saved)", ", ".join(left), pointer)
+    return ahead + [n for n in names if n not in newer] + left
+
+
+def _holding(held: dict[Any, dict], name: str) -> dict:
+    return next((h[name] for h in held.values() if name in h), {})
+
+
+def _latest(tier: Tier, key: Any) -> str | None:
+    """The generation this node's ``latest`` names, if it reads."""
+    try:
+        pointer = pointed(tier.own, key)
+    except (TrainStateError, OSError):
+        return None
+    return pointer.generation if pointer is not None else None
 
 
 def _log_sources(name: str, total: dict, rank: int) -> None:

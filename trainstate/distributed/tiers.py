@@ -166,8 +166,8 @@ def replica_store(store: LocalStore) -> LocalStore:
 
 
 def holdings(stores: dict[str, LocalStore], key: SigningKey | None) -> dict[str, dict]:
-    """What this node holds: ``{generation: {"digest", "run", "update", "files": {file: [size, tier]}}}`` over
-    both tiers. A holding whose manifest does not parse (or whose digest differs between the tiers) is left out:
+    """What this node holds: ``{generation: {"digest", "run", "update", "lineage", "files": {file: [size, tier]}}}``
+    over both tiers. A holding whose manifest does not parse (or whose digest differs between the tiers) is left out:
     it cannot be trusted to say what its files are."""
     out: dict[str, dict] = {}
     for tier, store in stores.items():
@@ -181,7 +181,8 @@ def holdings(stores: dict[str, LocalStore], key: SigningKey | None) -> dict[str,
                 continue
             expected = {f.name: f.size for f in manifest.files}
             entry = out.setdefault(name, {"digest": digest, "run": manifest.run, "update": manifest.next_update,
-                                          "tier": tier, "count": len(manifest.files), "files": {}})
+                                          "tier": tier, "count": len(manifest.files), "files": {},
+                                          "lineage": manifest.lineage})
             if entry["digest"] != digest:
                 continue
             for file, size in present.items():
