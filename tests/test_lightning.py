@@ -106,6 +106,8 @@ def test_entries_name_one_generation_per_step_and_pruning_removed_the_rest(light
         assert all(e["format"] == "trainstate-lightning-checkpoint" and e["run"] == "." for e in entries.values())
         assert {e["generation"] for e in entries.values()} <= set(results["generations"][run]), (run, entries)
         assert not [p for p in results["hidden"][run] if "trainstate" in p], results["hidden"][run]
+        # One link, to the newest generation: what lets ckpt_path="last" find the run at every moment of a save.
+        assert results["bridges"][run] == {f"last.trainstate-{STEP18}.ckpt": STEP18}, results["bridges"][run]
 
 
 def test_unencodable_value_is_refused_with_its_key_path(lightning_runs):
@@ -152,7 +154,9 @@ def test_remove_checkpoint_drops_entry_and_pin_but_not_the_generation(lightning_
 
 
 def test_the_run_directory_resumes_when_no_entry_names_its_generation(lightning_runs):
-    """A kill right after the first publication leaves no last.ckpt: a fresh start is refused, naming the fix."""
+    """No entry names the run's generation (removed by hand): a fresh start is refused, naming the fix, and the
+    run directory itself loads its recovery point. (A kill between a publication and its entries leaves a
+    last.trainstate-gen-….ckpt link instead: tests/test_lightning_kill_points.py.)"""
     checks = lightning_runs[1]["checks"]
     assert checks["fresh_into_existing_run"]["error"] == "ExistingRun"
     assert "ckpt_path=" in checks["fresh_into_existing_run"]["message"]
@@ -171,6 +175,7 @@ def test_resuming_from_an_older_checkpoint_forks_and_publishes_its_steps_again(l
     assert checks["fork_load"] == {"ok": "1"}
     assert "ok" in checks["fork_save"], checks["fork_save"]
     assert checks["fork"]["abandoned"] == ["gen-000000000002", "gen-000000000003"]
+    assert checks["fork"]["bridges"] == {"last.trainstate-gen-000000000003.ckpt": "gen-000000000003"}
 
 
 def test_lightning_keeps_the_resumable_loader_position_and_a_plain_loader_is_named(lightning_runs):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import PurePath
+
 import pytest
 
 from trainstate.errors import CorruptGeneration, GenerationExists
 from trainstate.format.manifest import check_name
-from trainstate.integrations.lightning_entry import (Entry, apply_overrides, entry_bytes, is_last, looks_like_entry,
-                                                     parse_entry, pin_name, same_state_overrides)
+from trainstate.integrations.lightning_entry import (Entry, apply_overrides, bridge_name, bridged, entry_bytes,
+                                                     found_as_last, is_last, looks_like_entry, parse_entry, pin_name,
+                                                     referenced_paths, same_state_overrides)
 
 MC = "ModelCheckpoint{'monitor': None, 'mode': 'min', 'every_n_train_steps': 3}"
 
@@ -43,6 +47,36 @@ def test_a_malformed_entry_is_refused():
 def test_last_files_are_recognised_as_lightning_does():
     assert is_last("last.ckpt") and is_last("last-v1.ckpt") and is_last("last-3.ckpt")
     assert not is_last("epoch=0-step=3.ckpt") and not is_last("lastly.ckpt") and not is_last("my-last.ckpt")
+
+
+def _lightning_takes_for_last(filename: str) -> bool:
+    """ModelCheckpoint._find_last_checkpoints (Lightning 2.6), written out: the oracle for found_as_last."""
+    path = PurePath(filename)
+    return path.suffix == ".ckpt" and bool(re.match(r"^last(-(\d+))?", path.stem))
+
+
+@pytest.mark.parametrize("name", ["last.ckpt", "last-v1.ckpt", "last-3.ckpt", "lastly.ckpt", "last.trainstate-x.ckpt",
+                                  "my-last.ckpt", "last", "last.ckpt.tmp", ".last.ckpt", "epoch=0-step=3.ckpt",
+                                  bridge_name("gen-000000000003"), bridge_name("gen-000000000003-r001")])
+def test_found_as_last_is_lightnings_own_search(name):
+    assert found_as_last(name) == _lightning_takes_for_last(name)
+
+
+def test_a_bridge_is_found_as_last_and_never_a_name_modelcheckpoint_writes():
+    for generation in ("gen-000000000003", "gen-000000000018-r002"):
+        name = bridge_name(generation)
+        assert found_as_last(name) and not is_last(name) and bridged(name) == generation
+    assert [bridged(n) for n in ("last.ckpt", "last-v1.ckpt", "last.trainstate-gen-3.ckpt", "x.ckpt")] == [None] * 4
+
+
+def test_referenced_paths_are_every_modelcheckpoints_files():
+    checkpoint = {"callbacks": {
+        MC: {"best_k_models": {"/c/a.ckpt": 1.0, "/c/b.ckpt": 2.0}, "best_model_path": "/c/a.ckpt",
+             "kth_best_model_path": "/c/b.ckpt", "last_model_path": "", "kth_value": 2.0},
+        "ModelCheckpoint{'monitor': None}": {"last_model_path": "/d/last.ckpt"},
+        "TrainStateCallback": {"best_model_path": "/not/a/checkpoint.ckpt"}}}
+    assert sorted(set(referenced_paths(checkpoint))) == ["/c/a.ckpt", "/c/b.ckpt", "/d/last.ckpt"]
+    assert referenced_paths({}) == [] and referenced_paths({"callbacks": [1]}) == []
 
 
 def test_pin_names_are_valid_and_distinct():

@@ -20,7 +20,8 @@ What Lightning 2.x leaves out, and what each part adds:
   durably. Lightning's own discovery keeps working on those entries:
   ``ckpt_path="last"`` picks the newest ``last*.ckpt`` by mtime, and
   ``save_top_k`` pruning calls :meth:`remove_checkpoint`, which drops the
-  entry and the pin that kept its generation.
+  entry and the pin that kept its generation; a link made valid by each
+  generation's commit lets it find the run at every moment of a save.
 - ModelCheckpoint saves the top-k file and then ``last.ckpt`` from one state:
   the second save is an entry naming the first's generation (one
   generation, not two writes). A second save at the same global step whose
@@ -36,7 +37,8 @@ What Lightning 2.x leaves out, and what each part adds:
 - Lightning keeps no RNG state. :class:`TrainStateCallback` saves every
   stream (Python ``random``, NumPy's global, torch CPU and each CUDA device,
   plus the named generators given to it) and restores them at the first
-  training batch after a resume, just before ``training_step`` draws.
+  training batch after a resume, just before ``training_step`` draws (or,
+  resumed from the final step, when the fit ends).
 - The data position: Lightning saves and restores any train dataloader with
   ``state_dict``/``load_state_dict`` (inside ``loops.fit_loop``), and
   :class:`~trainstate.ResumableLoader` is one, so its epoch and cursor resume
@@ -58,7 +60,6 @@ import dataclasses
 import glob
 import logging
 import os
-import secrets
 import sys
 import warnings
 from collections.abc import Mapping
@@ -74,8 +75,9 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("trainstate.integrations.lightning needs Lightning 2.x: "
                       "pip install 'trainstate[lightning]'") from exc
 
-from ..errors import (ContinuationWarning, CorruptGeneration, ExistingRun, GenerationExists, GenerationNotFound,
-                      InvalidArgument, InvalidType, NoValidGeneration, PinNotFound, Rejection)
+from ..errors import (ContinuationWarning, CorruptGeneration, DirectoryLocked, ExistingRun, GenerationExists,
+                      GenerationNotFound, InvalidArgument, InvalidType, NoValidGeneration, PinNotFound,
+                      ReadOnlyDirectory, Rejection)
 from ..format.codec import TensorTable, encode
 from ..format.manifest import parse_generation_name
 from ..publish import DEFAULT_FULL_EVERY
@@ -85,13 +87,14 @@ from ..manager import CheckpointManager
 from ..records import GenerationInfo, RestoreInfo
 from ..state import rng as rng_mod
 from ..state.train_state import TrainState
-from .lightning_entry import (MAX_ENTRY_BYTES, Entry, apply_overrides, entry_bytes, is_last, looks_like_entry,
-                              parse_entry, pin_name, same_state_overrides)
+from .lightning_entry import (MAX_ENTRY_BYTES, PUBLISHED_FOR, TMP, Entry, apply_overrides, bridge_ahead, bridged,
+                              entry_bytes, fsync_dir, is_last, last_entry, looks_like_entry, parse_entry, pin_name,
+                              local_path, read_entry, referenced_paths, same_state_overrides, settle_bridges,
+                              unlink_durably, write_durably)
 
 __all__ = ["TrainStateCallback", "TrainStateCheckpointIO"]
 log = logging.getLogger("trainstate")
 _REMOVING = ".trainstate-removing"
-_TMP = ".trainstate-tmp-"
 
 
 class LightningCheckpoint:
@@ -132,13 +135,27 @@ class TrainStateCheckpointIO(CheckpointIO):
     names is pinned (``lightning-<file>-<hash>``) so retention never prunes
     what Lightning still points at. ``last_restore`` holds the
     :class:`~trainstate.RestoreInfo` of the last load.
+
+    An entry is written after its generation's commit (it must never name
+    what does not exist), and ModelCheckpoint writes the top-k file before
+    ``last.ckpt``: a kill in between left a generation no ``last*.ckpt``
+    named, and every restart with ``ckpt_path="last"`` trained from step 0
+    into :class:`~trainstate.ExistingRun`. So the name Lightning searches for
+    is written *before* the commit and made valid *by* it: a symbolic link
+    ``last.trainstate-gen-<step>.ckpt`` -> ``gen-<step>``, which that search
+    takes (any existing ``last*.ckpt``) from the rename that commits the
+    generation on, and not before. A kill anywhere in a save leaves no new
+    generation and no valid new link, or both. One link per directory stays,
+    to the newest generation; it loads as ``last.ckpt`` would. A generation
+    also records the path it was saved for, so a top-k name such a kill lost
+    is written again when the resumed state refers to it.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
                  retention: Retention | None = None, digest: str = "blake3", verify: str = "fast",
                  signing_key: SigningKey | bytes | str | None = None,
                  full_every: int | None = DEFAULT_FULL_EVERY):
-        self.directory = None if directory is None else os.path.abspath(_local(directory))
+        self.directory = None if directory is None else os.path.abspath(local_path(directory))
         self._options: dict[str, Any] = {"keep_last": keep_last, "retention": retention, "digest": digest,
                                          "verify": verify, "signing_key": signing_key, "full_every": full_every}
         self._manager: CheckpointManager | None = None
@@ -155,7 +172,7 @@ class TrainStateCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise InvalidType("TrainStateCheckpointIO takes no storage_options; configure the run directory "
                               "through TrainStateCheckpointIO(...) instead")
-        target = os.path.abspath(_local(path))
+        target = os.path.abspath(local_path(path))
         step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
         if type(step) is not int or step < 0:
             raise InvalidArgument(f"a Lightning checkpoint carries its global_step as a non-negative int; got "
@@ -167,64 +184,114 @@ class TrainStateCheckpointIO(CheckpointIO):
                 "weights from a generation with `trainstate export`")
         manager = self._open(self.directory or self._run or os.path.dirname(target))
         skeleton = encode(checkpoint, "lightning", TensorTable())  # refuses what no save could store, by key path
-        last = self._published
-        overrides: tuple = ()
-        info = None
-        if last is not None and last.step == step and last.run == self._run:
-            try:
-                overrides = same_state_overrides(last.skeleton, skeleton, last.info.name)
-                info = last.info
-                log.info("%s names %s, which already holds global step %d: no second generation written", target,
-                         info.name, step)
-            except GenerationExists as exc:  # another state at this step (a save after fit): a revision
-                log.info("%s: %s; publishing it as a revision of that step", target, str(exc).split(". ")[0])
+        info, overrides = self._already_published(step, skeleton, target)
         if info is None:
-            self._holder.value, self._state.next_update = checkpoint, step
-            self._leave_abandoned_timeline(manager)
-            try:
-                info = manager.save(self._state)
-            except ExistingRun as exc:
-                raise ExistingRun(f"{exc} With Lightning: resume with trainer.fit(..., ckpt_path=\"last\"), or "
-                                  f"ckpt_path={self._run!r} (the run directory: its recovery point, even when no "
-                                  "last.ckpt names it), or give ModelCheckpoint another dirpath.") from None
-            finally:
-                self._holder.value = None
+            info = self._publish(manager, checkpoint, step, target)
             self._published = _Published(step, self._run, info, skeleton)
         assert self._run is not None
         entry = Entry(os.path.relpath(self._run, os.path.dirname(target)), info.name, info.manifest_digest, step,
                       overrides)
         # Pinned before the entry exists, so no entry ever names a generation retention could prune.
         manager.pin(pin_name(os.path.relpath(target, self._run)), info.name)
-        _write_durably(target, entry_bytes(entry))
+        write_durably(target, entry_bytes(entry))
+        settle_bridges(os.path.dirname(target), self._run, info.name)
+
+    def _already_published(self, step: int, skeleton: Any, target: str) -> tuple[GenerationInfo | None, tuple]:
+        """The generation this plugin just published, when ``checkpoint`` is its state again (ModelCheckpoint's
+        ``last.ckpt`` after its top-k file), with the paths that changed as the entry's overrides."""
+        last = self._published
+        if last is None or last.step != step or last.run != self._run:
+            return None, ()
+        try:
+            overrides = same_state_overrides(last.skeleton, skeleton, last.info.name)
+        except GenerationExists as exc:  # another state at this step (a save after fit): a revision
+            log.info("%s: %s; publishing it as a revision of that step", target, str(exc).split(". ")[0])
+            return None, ()
+        log.info("%s names %s, which already holds global step %d: no second generation written", target,
+                 last.info.name, step)
+        return last.info, overrides
+
+    def _publish(self, manager: CheckpointManager, checkpoint: dict[str, Any], step: int,
+                 target: str) -> GenerationInfo:
+        """Publish ``checkpoint`` as a new generation recording ``target``; Lightning finds it from its commit on."""
+        assert self._run is not None
+        self._holder.value = {**checkpoint, PUBLISHED_FOR: os.path.relpath(target, self._run)}
+        self._state.next_update = step
+        self._leave_abandoned_timeline(manager)
+        bridge = bridge_ahead(manager.store.generations(), os.path.dirname(target), self._run, step)
+        try:
+            return manager.save(self._state)
+        except ExistingRun as exc:
+            raise ExistingRun(f"{exc} With Lightning: resume with trainer.fit(..., ckpt_path=\"last\"), or "
+                              f"ckpt_path={self._run!r} (the run directory: its recovery point, even when no "
+                              "last.ckpt names it), or give ModelCheckpoint another dirpath.") from None
+        finally:
+            self._holder.value = None
+            if bridge is not None and not os.path.exists(bridge):  # nothing was committed: the link names nothing
+                unlink_durably([bridge])
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
         """The checkpoint dict of the generation ``path`` names, verified (``weights_only`` is moot: no pickle).
 
         ``path`` may also be the run directory: its recovery point loads even
-        when no ``.ckpt`` entry names it (a kill between the first publication
-        and its entry leaves exactly that).
+        when no ``.ckpt`` entry names it. A ``last.trainstate-gen-….ckpt``
+        link loads as the ``last*.ckpt`` entry beside it would, or the
+        recovery point when there is none yet.
         """
-        target = os.path.abspath(_local(path))
-        if os.path.isdir(target):  # the run directory itself: its recovery point, with or without any entry
-            entry, manager, wanted = None, self._open(target), None
-        else:
-            entry = _read_entry(target)
-            manager = self._open(os.path.normpath(os.path.join(os.path.dirname(target), entry.run)))
-            wanted = None if is_last(os.path.basename(target)) else entry.generation
+        target = os.path.abspath(local_path(path))
+        entry, manager, wanted = self._resolve(target)
         info = self._restore(manager, wanted, target)
         checkpoint, self._holder.value = self._holder.value, None
         if not isinstance(checkpoint, dict):
             raise CorruptGeneration(info.generation.name, "holds no Lightning checkpoint")
+        published_for = checkpoint.pop(PUBLISHED_FOR, None)
         if entry is not None and info.generation.name == entry.generation:
             if info.generation.manifest_digest == entry.manifest_digest:
                 apply_overrides(checkpoint, entry.overrides, target)
             else:
                 log.warning("%s: %s was published again since this entry was written; loaded the verified one "
                             "there now", target, entry.generation)
+        self._name_again(manager, info.generation, published_for, checkpoint)
         self._published = None
         self._resumed_at = info.generation.next_update
         return _to_device(checkpoint, map_location)
+
+    def _resolve(self, target: str) -> tuple[Entry | None, CheckpointManager, str | None]:
+        """What ``target`` loads: its entry (if any), its run's manager, the generation it wants (None: the
+        recovery point, as for ``last*.ckpt``)."""
+        if bridged(os.path.basename(target)) and os.path.islink(target):
+            beside = last_entry(os.path.dirname(target))
+            if beside is None:  # a kill before the first last.ckpt: the run the link points into
+                generation = os.path.normpath(os.path.join(os.path.dirname(target), os.readlink(target)))
+                return None, self._open(os.path.dirname(generation)), None
+            target = beside
+        if os.path.isdir(target):  # the run directory itself: its recovery point, with or without any entry
+            return None, self._open(target), None
+        entry = read_entry(target)
+        manager = self._open(os.path.normpath(os.path.join(os.path.dirname(target), entry.run)))
+        return entry, manager, None if is_last(os.path.basename(target)) else entry.generation
+
+    def _name_again(self, manager: CheckpointManager, generation: GenerationInfo, published_for: Any,
+                    checkpoint: dict[str, Any]) -> None:
+        """Write again the entry (the path ``generation`` records) that a kill lost between its commit and it:
+        only where no file is, when the loaded state refers to it (or its ``best_model_path`` would name a
+        missing file), and when this process can take the run's lock (a ``validate`` beside a fit cannot)."""
+        if type(published_for) is not str or self._run is None:
+            return
+        path = os.path.normpath(os.path.join(self._run, published_for))
+        if os.path.lexists(path) or path not in {os.path.abspath(p) for p in referenced_paths(checkpoint)}:
+            return
+        try:
+            manager.store.lock()
+        except (DirectoryLocked, ReadOnlyDirectory) as exc:
+            log.info("%s is missing; not written again by this process: %s", path, exc)
+            return
+        manager.pin(pin_name(published_for), generation.name)
+        write_durably(path, entry_bytes(Entry(os.path.relpath(self._run, os.path.dirname(path)), generation.name,
+                                              generation.manifest_digest, generation.next_update)))
+        log.warning("%s was lost by a kill between the commit of %s and its entry; written again", path,
+                    generation.name)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Drop the entry at ``path`` and its pin; retention prunes the generation once nothing keeps it.
@@ -232,7 +299,7 @@ class TrainStateCheckpointIO(CheckpointIO):
         The entry is first renamed out of Lightning's sight (``.<name>.trainstate-removing``), then
         unpinned, then deleted; a removal a crash interrupted is finished when the run is next opened.
         """
-        target = os.path.abspath(_local(path))
+        target = os.path.abspath(local_path(path))
         try:
             with open(target, "rb") as stream:
                 head = stream.read(MAX_ENTRY_BYTES + 1)
@@ -241,7 +308,7 @@ class TrainStateCheckpointIO(CheckpointIO):
         directory = os.path.dirname(target)
         if not looks_like_entry(head):  # not ours (a file from before): removed as TorchCheckpointIO would
             os.unlink(target)
-            _fsync_dir(directory)
+            fsync_dir(directory)
             return
         try:
             self._open(os.path.normpath(os.path.join(directory, parse_entry(head, target).run)))
@@ -249,7 +316,7 @@ class TrainStateCheckpointIO(CheckpointIO):
             log.info("%s: %s", target, exc)
         aside = os.path.join(directory, f".{os.path.basename(target)}{_REMOVING}")
         os.replace(target, aside)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         self._finish_removal(aside)
 
     def _finish_removal(self, aside: str) -> None:
@@ -266,7 +333,7 @@ class TrainStateCheckpointIO(CheckpointIO):
             os.unlink(aside)
         except FileNotFoundError:
             return  # finished already (opening another run directory finishes its interrupted removals)
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
     def teardown(self) -> None:
         """Release the run directory (Lightning calls this when a fit, validate or test ends)."""
@@ -285,7 +352,7 @@ class TrainStateCheckpointIO(CheckpointIO):
         for aside in sorted(glob.glob(os.path.join(glob.escape(run), f".*.ckpt{_REMOVING}"))):
             log.info("finishing the removal of %s, which a crash interrupted", aside)
             self._finish_removal(aside)
-        for tmp in sorted(glob.glob(os.path.join(glob.escape(run), f".*.ckpt{_TMP}*"))):
+        for tmp in sorted(glob.glob(os.path.join(glob.escape(run), f".*.ckpt{TMP}*"))):
             log.info("removing %s, an entry a crash left half-written (never named by Lightning)", tmp)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)  # the run's lock is held: no other writer of entries here
@@ -341,7 +408,8 @@ class TrainStateCallback(Callback):
     loads (a missing or different generator raises before anything changes)
     and applied at the first training batch after it, so nothing Lightning
     does while starting up (building loaders, a sanity check) shifts the
-    streams ``training_step`` draws from.
+    streams ``training_step`` draws from; a fit resumed from its final step
+    has no batch left, and gets them when it ends.
     """
 
     def __init__(self, rngs: Mapping[str, rng_mod.Generator] | None = None):
@@ -380,6 +448,13 @@ class TrainStateCallback(Callback):
                     "load_state_dict): a resume restarts its epoch. Use trainstate.ResumableLoader"), stacklevel=2)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._apply_pending()
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """A fit resumed from its final step trains no batch: the streams still end where the run stopped."""
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             rng_mod.apply_validated(pending, self.rngs, restore_globals=True)
@@ -396,26 +471,6 @@ def _leaves(loaders: Any) -> list[Any]:
     return [loaders]
 
 
-def _local(path: Any) -> str:
-    text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        raise InvalidArgument(f"TrainStateCheckpointIO writes to a local directory, not {text!r}; to keep a remote "
-                              "copy, mirror the run directory (CheckpointManager(..., mirror=URL))")
-    return text.removeprefix("file://")
-
-
-def _read_entry(target: str) -> Entry:
-    try:
-        with open(target, "rb") as stream:
-            data = stream.read(MAX_ENTRY_BYTES + 1)
-    except FileNotFoundError:
-        raise GenerationNotFound(f"Checkpoint file not found: {target}") from None
-    if not looks_like_entry(data):
-        raise CorruptGeneration(target, "is not a trainstate checkpoint entry (a torch.save pickle?); trainstate never "
-                                        "unpickles. Load it once with Lightning's TorchCheckpointIO, then save")
-    return parse_entry(data, target)
-
-
 def _to_device(value: Any, map_location: Any) -> Any:
     if map_location is None:
         return value
@@ -428,38 +483,6 @@ def _to_device(value: Any, map_location: Any) -> Any:
     if type(value) in (list, tuple):
         return type(value)(_to_device(v, map_location) for v in value)
     return value
-
-
-def _write_durably(target: str, data: bytes) -> None:
-    """Replace ``target`` atomically: a temporary file, fsync, rename, fsync of the directory."""
-    directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(target)}{_TMP}{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _register_with_pytorch_lightning() -> None:
