@@ -19,7 +19,7 @@ import pytest
 import trainer
 
 import trainstate as ts
-from trainstate import restore as restore_mod
+from trainstate.lifecycle import candidates as candidates_mod
 from trainstate.storage.local import LocalStore
 
 KEY = "correct horse battery staple, 2026"
@@ -63,7 +63,7 @@ def test_a_pointer_at_the_fork_point_resumes_the_current_timeline(tmp_path, monk
     assert {gen(u) for u in (10, 20, 22, 25, 30, 40)} <= set(LocalStore(tmp_path).generations())
     (tmp_path / "latest").write_bytes(at_fork)  # latest put back at the fork point
     if control:
-        monkeypatch.setattr(restore_mod, "current_branch", _every_descendant)
+        monkeypatch.setattr(candidates_mod, "current_branch", _every_descendant)
     fresh = trainer.build(seed=7)
     with caplog.at_level(logging.ERROR, logger="trainstate"), ts.CheckpointManager(tmp_path) as mgr:
         assert mgr.status().recovery_point == (gen(40) if control else gen(25))  # `ls` and status agree with restore
@@ -101,7 +101,7 @@ def test_three_timelines_the_one_written_last_wins_not_the_highest_update(tmp_pa
         _train_to(mgr, c, (33,), saved)
     (tmp_path / "latest").write_bytes(at_fork)
     if control:
-        monkeypatch.setattr(restore_mod, "current_branch", _every_descendant)
+        monkeypatch.setattr(candidates_mod, "current_branch", _every_descendant)
     fresh = trainer.build(seed=7)
     with ts.CheckpointManager(tmp_path) as mgr:
         info = mgr.restore(fresh)
@@ -118,7 +118,7 @@ def test_signed_run_names_the_current_timeline_in_the_rollback_error(tmp_path, m
     at_fork, saved = _forked(tmp_path, KEY)
     (tmp_path / "latest").write_bytes(at_fork)
     if control:
-        monkeypatch.setattr(restore_mod, "current_branch", _every_descendant)
+        monkeypatch.setattr(candidates_mod, "current_branch", _every_descendant)
     with ts.CheckpointManager(tmp_path, signing_key=KEY) as mgr:
         with pytest.raises(ts.PointerRollback) as raised:
             mgr.restore(trainer.build(seed=7))
@@ -131,3 +131,32 @@ def test_signed_run_names_the_current_timeline_in_the_rollback_error(tmp_path, m
         fresh = trainer.build(seed=8)
         assert mgr.restore(fresh, generation=gen(25)).generation.name == gen(25)
     trainer.assert_same(trainer.full_state(fresh), saved[gen(25)])
+
+
+def _flip_a_tensor_bit(generation: Path) -> None:
+    """One flipped bit in the generation's largest tensor file: its manifest still reads, its bytes do not verify."""
+    target = max((p for p in generation.iterdir() if p.suffix == ".safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0x01
+    target.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["fixed", "control-newest-first"])
+def test_a_damaged_latest_after_a_fork_falls_back_along_its_own_timeline(tmp_path, monkeypatch, control):
+    """latest names gen 25 (timeline B, forked from 20); its bytes are damaged. The fallback resumes gen 22, its
+    parent, not gen 40, the newest generation by update, on the timeline the run left at the fork. Control: every
+    newer generation tried in update order, as before, resumes gen 40."""
+    _, saved = _forked(tmp_path)
+    _flip_a_tensor_bit(tmp_path / gen(25))
+    if control:
+        ahead = candidates_mod._descendants_ahead
+        monkeypatch.setattr(candidates_mod, "_descendants_ahead", lambda *a: (*ahead(*a)[:2], []))
+    fresh = trainer.build(seed=7)
+    with ts.CheckpointManager(tmp_path) as mgr:
+        info = mgr.restore(fresh)
+    assert info.rejected[0].generation == gen(25)
+    if control:
+        assert info.generation.name == gen(40)
+        return
+    assert info.generation.name == gen(22)
+    trainer.assert_same(trainer.full_state(fresh), saved[gen(22)])

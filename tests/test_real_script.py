@@ -24,7 +24,7 @@ import trainstate as ts
 from trainstate import cli
 from trainstate.format.manifest import generation_name, generation_order, newest_first, parse_generation_name
 from trainstate.lifecycle.retention import Retention, plan, superseded_by
-from trainstate.restore import recovery_point
+from trainstate.lifecycle.candidates import recovery_point
 from trainstate.storage.local import LocalStore
 
 HERE = Path(__file__).resolve().parent

@@ -38,6 +38,7 @@ from .lifecycle.generations import Lifecycle, new_timeline
 from .lifecycle.rehearsal import Factory, Rehearsal, rehearse
 from .lifecycle.retention import Plan, Retention
 from .records import GenerationInfo, RestoreInfo, Status
+from .lifecycle.candidates import recovery_point
 from .restore import IN_PLACE_BYTES
 from .state import snapshot, usable
 from .state.train_state import TrainState
@@ -400,7 +401,7 @@ class CheckpointManager:
     def status(self) -> Status:
         """The recovery point (where a restore would resume), weights-only latest, pins, best, measurements."""
         anchors = self.lifecycle.anchors()
-        full = restore_mod.recovery_point(self.store, self.key)
+        full = recovery_point(self.store, self.key)
         return Status(self.store.location, full, parse_generation_name(full)[0] if full else None,
                       anchors.get("weights"), len(self.store.generations()), self.lifecycle.pins(), self.best(),
                       self._clock.saves[-1] if self._clock.saves else None, self._clock.mean(self._clock.saves),

@@ -21,7 +21,8 @@ from ..format.signing import SigningKey
 from ..lifecycle.generations import Lifecycle, policy_from_record
 from ..lifecycle.retention import Plan, Retention, superseded_by
 from ..distributed.load import check_whole
-from ..restore import choose, recovery_point
+from ..lifecycle.candidates import recovery_point
+from ..restore import choose
 from ..storage.base import Store
 from ..storage.verify import verify_generation
 

@@ -35,7 +35,7 @@ from ..storage.locate import open_existing, split_generation
 from ..storage.objectclient import is_url
 from ..format.manifest import POINTER, parse_generation_name
 from ..lifecycle.rehearsal import load_factory, rehearse
-from ..restore import check_run, expected_run
+from ..lifecycle.candidates import check_run, expected_run
 from ..storage.verify import read_layouts, read_manifest, read_state_json, verify_generation
 
 DESCRIPTION = """\

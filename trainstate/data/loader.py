@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader
 
 from ..errors import (AbandonedIteratorWarning, ContinuationWarning, DataMismatch, InvalidArgument, InvalidType,
                       StaleIterator)
+from . import continuation
+from .continuation import with_algorithm
 from .facade import EpochSampler, abandoned_message, batch_indices, build_batch
 from .order import DEFAULT_ORDER, ORDERS, SORT_V1, Plan, derive, ids_digest
 from .samplerng import SampleIndex
@@ -61,11 +63,6 @@ class _EpochBatches(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.batches) - self.start
-
-
-def _with_algorithm(plan: dict[str, Any]) -> dict[str, Any]:
-    """A saved plan; one without an algorithm name was written before there was a choice: the sort."""
-    return plan if "algorithm" in plan else {**plan, "algorithm": SORT_V1}
 
 
 def _distributed_default(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -317,7 +314,7 @@ class ResumableLoader:
         plan = saved.get("plan")
         if type(plan) is not dict:
             raise DataMismatch("the saved loader state has no plan")
-        plan = _with_algorithm(plan)
+        plan = with_algorithm(plan)
         resumed, reweighted = self._resumed_plan(saved)
         if self._rebatching(plan):  # the position is checked in its own batches; load_state_dict regroups it
             resumed = replace(resumed, batch_size=plan["batch_size"])
@@ -354,8 +351,8 @@ class ResumableLoader:
         if self._rebatching(saved["plan"]):
             plan, _ = self._resumed_plan(saved)
             position = (saved["epoch"], saved["cursor"], saved.get("start", 0))
-            saved, regrouped = self._continuation(plan, saved["plan"], position, saved["samples_seen"],
-                                                  saved["tokens_seen"], bool(saved.get("worker_global_draws")))
+            saved, regrouped = continuation.continued(plan, saved["plan"], position, saved["samples_seen"],
+                                                      saved["tokens_seen"], bool(saved.get("worker_global_draws")))
         self.plan, reweighted = self._resumed_plan(saved)
         self._reweight, self._rebatch = None, None
         self.epoch, self.cursor, self.start = saved["epoch"], saved["cursor"], saved.get("start", 0)
@@ -389,58 +386,15 @@ class ResumableLoader:
         """
         if not saved or not all(type(s) is dict for s in saved):
             raise DataMismatch("no saved loader positions to reshard from")
-        plans = [_with_algorithm(s["plan"]) if type(s.get("plan")) is dict else None for s in saved]
-        fixed = ("dataset_len", "seed", "shuffle", "drop_last", "uneven", "algorithm", "order_params", "mixture")
-        if plans[0] is None:
+        if type(saved[0].get("plan")) is not dict:
             raise DataMismatch("the saved loader state has no plan")
         try:
             plan, reweighted = self._resumed_plan(saved[0])  # adopted order; a mixture's segments
         except (KeyError, TypeError):
             raise DataMismatch("not ResumableLoader states") from None
-        live = plan.as_dict()
-        for old in plans:
-            if reweighted and type(old) is dict and type(old.get("mixture")) is dict:
-                old = {**old, "mixture": {**old["mixture"], "weights": live["mixture"]["weights"]}}
-            changed = [k for k in fixed if type(old) is not dict or old.get(k) != live.get(k)]
-            if changed:
-                raise DataMismatch("the data plan differs from the checkpoint's beyond the world size and batch "
-                                   f"size ({', '.join(changed)}): its position would name other samples")
-        try:
-            positions = {(s["epoch"], s["cursor"], s.get("start", 0)) for s in saved}
-            samples, tokens = sum(s["samples_seen"] for s in saved), sum(s["tokens_seen"] for s in saved)
-        except (KeyError, TypeError):
-            raise DataMismatch("not ResumableLoader states") from None
-        if len(positions) != 1:
-            raise DataMismatch(f"the saved ranks stopped at different positions {sorted(positions)}")
-        (position,) = positions
-        return self._continuation(plan, plans[0], position, samples // plan.world_size, tokens // plan.world_size,
-                                  any(s.get("worker_global_draws") for s in saved))
-
-    def _continuation(self, plan: Plan, old: dict[str, Any], position: tuple[int, int, int], samples: int,
-                      tokens: int, global_draws: bool) -> tuple[dict[str, Any], list[str]]:
-        """The state that reads on, with ``plan``, after the ranks of ``old`` (a saved plan) stopped at
-        ``position`` (epoch, cursor, start), and the warning when the global batch changes."""
-        epoch, cursor, start = position
-        old_world, old_batch = old["world_size"], old["batch_size"]
-        consumed = start + cursor * old_batch * old_world  # the global count of this epoch's positions read
-        if consumed < plan.dataset_len and plan.batches_per_epoch(consumed):
-            start = consumed
-        else:  # the epoch is used up (padding wrapped, or what is left fills no batch of this plan)
-            epoch, start = epoch + 1, 0
-        ids = plan.batches(epoch, start)[0]
-        state = {"epoch": epoch, "cursor": 0, "samples_seen": samples, "tokens_seen": tokens, "plan": plan.as_dict(),
-                 "next_batch": {"epoch": epoch, "cursor": 0, "size": len(ids), "ids_digest": ids_digest(epoch, 0, ids)},
-                 "worker_global_draws": global_draws}
-        if start:
-            state["start"] = start
-        if plan.source is not None and len(plan.source.segments) > 1:
-            state["mixture_segments"] = plan.source.saved_segments()
-        before, after = old_batch * old_world, plan.batch_size * plan.world_size
-        if before == after:
-            return state, []
-        return state, [f"the global batch size changed from {before} ({old_world} x {old_batch}) to {after} "
-                       f"({plan.world_size} x {plan.batch_size}): the samples continue in the same order, grouped "
-                       "into updates of another size, so the updates are not the uninterrupted run's"]
+        position, samples, tokens = continuation.common_position(saved, plan.as_dict(), reweighted)
+        return continuation.continued(plan, with_algorithm(saved[0]["plan"]), position, samples // plan.world_size,
+                                      tokens // plan.world_size, any(s.get("worker_global_draws") for s in saved))
 
     def settle_contract(self, saved: Any, allowed: Callable[[str], bool] | None = None) -> None:
         """Called by a restore before it compares contracts, with this loader's saved plan.
@@ -475,7 +429,7 @@ class ResumableLoader:
 
     def _resumed_plan(self, saved: dict[str, Any]) -> tuple[Plan, bool]:
         """The plan that continues ``saved`` (adopted order, mixture segments), and whether it reweights."""
-        plan = self._plan_for(_with_algorithm(saved["plan"]))
+        plan = self._plan_for(with_algorithm(saved["plan"]))
         source, mixture = plan.source, saved["plan"].get("mixture")
         if source is None or type(mixture) is not dict:
             return plan, False

@@ -37,7 +37,8 @@ from ..errors import (CheckpointFailed, CorruptGeneration, NoValidGeneration, Po
                       StateMismatch, TrainStateError)
 from ..format.codec import decode
 from ..records import GenerationInfo, RestoreInfo
-from ..restore import Candidates, HeldFiles, candidates, check_run, continue_lineage, expected_run
+from ..lifecycle.candidates import Candidates, candidates, check_run, expected_run
+from ..restore import HeldFiles, continue_lineage
 from ..state.usable import mark_unusable, mark_usable, telling_unusable, unusable
 from ..state import contract as contract_mod
 from ..state import snapshot

@@ -2,6 +2,7 @@
 
 - ``retention``: what to keep (pure planning).
 - ``generations``: pins, anchors, lineage and pruning on a store.
+- ``candidates``: which generations a restore tries, in what order (the pointer, a roll-forward, timelines).
 - ``cadence``: when to save (Young/Daly) and the measurements behind it.
 - ``preemption``: signals turned into a save at the next boundary.
 - ``rehearsal``: a restart into fresh objects, to prove a generation restores.

@@ -33,7 +33,7 @@ from typing import Any, TextIO
 from ..errors import EXIT_PERMANENT, CorruptGeneration
 from ..format import signing
 from ..format.manifest import parse_generation_name
-from ..restore import recovery_point
+from .candidates import recovery_point
 from ..storage.locate import open_store
 from ..storage.objectclient import is_url
 from ..storage.verify import verify_generation

@@ -40,7 +40,7 @@ class Side:
 
 def resolve(target: str | Path) -> tuple[Store, str]:
     """``run/gen-…`` (path or URL), ``run@update`` (that update's full generation) or a run (its recovery point)."""
-    from ..restore import recovery_point
+    from ..lifecycle.candidates import recovery_point
 
     text = str(target)
     run, generation = split_generation(text)

@@ -37,7 +37,8 @@ from ..errors import CorruptGeneration, InvalidArgument, NoValidGeneration, Stat
 from ..format import signing, tensorfile
 from ..format.manifest import MANIFEST, Manifest, parse_generation_name
 from ..format.signing import SigningKey
-from ..restore import HeldFiles, recovery_point
+from ..lifecycle.candidates import recovery_point
+from ..restore import HeldFiles
 from ..storage.locate import open_existing, open_store, split_generation
 from ..storage.objectclient import is_url
 from ..storage.verify import read_json_file, read_layouts, read_state_json, verify_generation
