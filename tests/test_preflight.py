@@ -187,6 +187,67 @@ def test_preflight_prunes_what_policy_allows_then_fits(tiny_fs, preflight, caplo
     assert _hidden(run) == []
 
 
+# (b2) an incremental save: what it links takes no space --------------------------------------------------
+def _frozen_base() -> ts.TrainState:
+    """Issue 48's state: a frozen ``Linear(512, 640)`` (a 1.3 MB part, written by the second save and linked from
+    the third on) and a trainable head."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 640).requires_grad_(False), torch.nn.Linear(640, 4))
+    return ts.TrainState(model=model, optimizer=torch.optim.SGD(model[1].parameters(), lr=0.1))
+
+
+def _head_step(state: ts.TrainState) -> None:
+    with torch.no_grad():
+        state["model"][1].weight.add_(0.01)
+    state.next_update += 1
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["counts-written", "control-counts-linked"])
+def test_the_preflight_counts_what_a_save_writes_not_what_it_links(tiny_fs, monkeypatch, control):
+    """Issue 48: on a 6 MiB tmpfs, three saves, then about 600 KiB left free. The next save links the 1.3 MB
+    part and writes about 20 KB, so it is not refused. With 40 KiB free it is: the refusal names what the save
+    writes plus headroom and the bytes it links, and what is free; nothing is written, and once there is room
+    the save goes through and restores bitwise. Control: the estimate counts every tensor (the old preflight),
+    and the save that fits is refused for about 1.4 MB."""
+    from trainstate.publish import Pending
+
+    if control:
+        monkeypatch.setattr(Pending, "estimate", lambda self, plan: self.estimated_bytes, raising=False)
+    mount = tiny_fs("6m")
+    run, filler = mount / "run", mount / "filler"
+    state = _frozen_base()
+    with ts.CheckpointManager(run, keep_last=10) as ckpt:  # the policy allows no pruning
+        for _ in range(3):
+            _head_step(state)
+            ckpt.save(state)
+        part = next((run / ckpt.latest()).glob("part-*")).stat().st_size
+        _fill(filler, leave=600 * KIB)
+        _head_step(state)
+        if control:
+            with pytest.raises(ts.InsufficientSpace) as caught:
+                ckpt.save(state)
+            assert caught.value.needed > part > caught.value.available
+            return
+        info = ckpt.save(state)
+        assert "shares" in json.loads((run / info.name / "manifest.json").read_bytes())
+        _fill(filler, leave=40 * KIB)
+        _head_step(state)
+        with pytest.raises(ts.InsufficientSpace) as caught:
+            ckpt.save(state)
+        err = caught.value
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+        assert err.available == _free(run) < err.needed < 200 * KIB < part  # the part is linked, not counted
+        assert f"about {err.needed:,} bytes needed (what the save writes plus headroom; the {part:,} bytes of " \
+            "unchanged files it links take none)" in str(err) and f"{err.available:,} available" in str(err)
+        assert ckpt.latest() == info.name and _gens(run)[-1] == info.name and _hidden(run) == []
+        filler.unlink()
+        assert ckpt.save(state).name == "gen-000000000005"  # the refused save, once there is room
+    resumed = _frozen_base()
+    with ts.CheckpointManager(run) as ckpt:
+        assert ckpt.restore(resumed).generation.name == "gen-000000000005"
+    assert_same(resumed["model"].state_dict(), state["model"].state_dict())
+
+
 # _check_space logic, without a tmpfs ------------------------------------------------------------------
 class FakeFree:
     """Stands in for the store's statvfs: returns ``value`` (or ``value(store)``)."""

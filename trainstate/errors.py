@@ -312,14 +312,17 @@ class DirectoryLocked(TrainStateError, BlockingIOError):
 class InsufficientSpace(TrainStateError, OSError):
     """The preflight found too little free space for the next generation; nothing was written."""
 
-    def __init__(self, directory: str, generation: str, needed: int, available: int):
+    def __init__(self, directory: str, generation: str, needed: int, available: int, *, linked: int = 0):
         import errno
 
         self.directory, self.generation, self.needed, self.available = directory, generation, needed, available
+        self.linked = linked  # bytes of unchanged files an incremental save links (no data blocks): not counted
+        what = "the state plus headroom" if not linked else (
+            f"what the save writes plus headroom; the {linked:,} bytes of unchanged files it links take none")
         super().__init__(
             errno.ENOSPC,
-            f"not enough space in {directory} for {generation}: about {needed:,} bytes needed (the state plus "
-            f"headroom), {available:,} available after pruning what the retention policy allows. Nothing was "
+            f"not enough space in {directory} for {generation}: about {needed:,} bytes needed ({what}), "
+            f"{available:,} available after pruning what the retention policy allows. Nothing was "
             "written and the existing generations are intact; free space (or lower keep_last, or unpin) and "
             "save again")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import publish, restore as restore_mod
-from .lifecycle import keyless, runs
+from .lifecycle import incremental, keyless, runs
 from .asyncsave import SaveHandle, Ticket, Writer, report_at_exit
 from .progress import log_rate
 from .errors import InvalidArgument, NoValidGeneration, ReadOnlyDirectory, Rejection
@@ -68,32 +68,27 @@ class CheckpointManager:
     ...     ...
     ...     ckpt.save(state)             # returns once durable and published
 
-    Retention: ``keep_last`` full generations (the run's recorded policy
-    when reopened), or ``retention=Retention(...)`` with milestones, a best
-    by metric and a weights-only count; pins (:meth:`pin`). ``digest``: per 4 MiB chunk (restore verifies on
-    every core), ``"xxh3-chunked"`` or, signed, ``"blake3-chunked"`` by default; ``"blake3"``, ``"sha256"``:
-    per file. ``verify`` after the rename: ``"fast"`` (manifest digest, file set, sizes; every byte was
-    already read back during its fsync) or ``"full"`` (re-hash everything). ``rehearse``: a function
-    returning a fresh :class:`TrainState`, restored into before each new full generation's pointer moves.
-    ``signing_key`` (or ``TRAINSTATE_SIGNING_KEY[_FILE]``): HMAC-SHA256 of manifests and pointers; a signed run
-    opened without its key raises :class:`SigningKeyRequired` (``signing_key=False``: go on unsigned, on
-    purpose). ``preflight``/``headroom``: refuse before staging when the disk is short. ``cadence=Cadence(mtbf_s=...)``: :meth:`due` picks the interval.
-    Under ``torch.distributed`` (an initialized default group, or
-    ``process_group=``) every method is collective and the generation is
-    sharded through ``torch.distributed.checkpoint``; checkpoint collectives
-    time out after ``collective_timeout_s``. The manager holds an exclusive
-    lock on the directory while open (rank 0, in a multi-rank run).
-    ``directory`` may be an object-store URL (``s3://``, ``gs://``, ``az://``;
-    ``storage_options`` for endpoint, region and keys); ``mirror=URL`` keeps
-    saves local and uploads each generation in the background (its own
-    ``mirror_options``, ``mirror_retention``; ``close`` waits up to
-    ``mirror_timeout_s`` for uploads), and ``restore`` takes the remote copy
-    when the local directory is empty or behind. ``progress=True`` shows a
-    byte bar on stderr (tqdm) while a save writes and a restore loads
-    (``None``: only when stderr is a terminal; off by default). ``replicas=N`` (multi-node): a node-local
-    ``directory``, each node's files also on ``N - 1`` peers by ``failure_domain`` label (docs/concepts/tiers.md).
-    ``full_every=N`` (default 8): incremental generations, unchanged tensor files linked rather than rewritten,
-    every N-th whole; ``None`` writes every generation whole (docs/guides/incremental.md)."""
+    Retention: ``keep_last`` full generations (the run's recorded policy when reopened), or
+    ``retention=Retention(...)`` with milestones, a best by metric and a weights-only count; pins (:meth:`pin`).
+    ``digest``: per 4 MiB chunk (restore verifies on every core), ``"xxh3-chunked"`` or, signed,
+    ``"blake3-chunked"`` by default; ``"blake3"``, ``"sha256"``: per file. ``verify`` after the rename: ``"fast"``
+    (manifest digest, file set, sizes; every byte was already read back during its fsync) or ``"full"`` (re-hash
+    everything). ``rehearse``: a function returning a fresh :class:`TrainState`, restored into before each new full
+    generation's pointer moves. ``signing_key`` (or ``TRAINSTATE_SIGNING_KEY[_FILE]``): HMAC-SHA256 of manifests and
+    pointers; a signed run opened without its key raises :class:`SigningKeyRequired` (``signing_key=False``: go on
+    unsigned, on purpose). ``preflight``/``headroom``: refuse before staging when the disk is short.
+    ``cadence=Cadence(mtbf_s=...)``: :meth:`due` picks the interval. Under ``torch.distributed`` (an initialized
+    default group, or ``process_group=``) every method is collective and the generation is sharded through
+    ``torch.distributed.checkpoint``; checkpoint collectives time out after ``collective_timeout_s``. The manager
+    holds an exclusive lock on the directory while open (rank 0, in a multi-rank run). ``directory`` may be an
+    object-store URL (``s3://``, ``gs://``, ``az://``; ``storage_options`` for endpoint, region and keys);
+    ``mirror=URL`` keeps saves local and uploads each generation in the background (its own ``mirror_options``,
+    ``mirror_retention``; ``close`` waits up to ``mirror_timeout_s`` for uploads), and ``restore`` takes the remote
+    copy when the local directory is empty or behind. ``progress=True`` shows a byte bar on stderr (tqdm) while a
+    save writes and a restore loads (``None``: only when stderr is a terminal; off by default). ``replicas=N``
+    (multi-node): a node-local ``directory``, each node's files also on ``N - 1`` peers by ``failure_domain`` label
+    (docs/concepts/tiers.md). ``full_every=N`` (default 8): incremental generations, unchanged tensor files linked
+    rather than rewritten, every N-th whole; ``None`` writes every generation whole (docs/guides/incremental.md)."""
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
                  digest: str | None = None, verify: str = "fast",
@@ -105,7 +100,7 @@ class CheckpointManager:
                  mirror_options: dict[str, Any] | None = None, mirror_retention: Retention | None = None,
                  mirror_timeout_s: float = 600.0, progress: bool | None = False, replicas: int | None = None,
                  node: str | int | None = None, failure_domain: str | None = None, wait_replicas: bool = False,
-                 mirror_every: int = 1, full_every: int | None = publish.DEFAULT_FULL_EVERY):
+                 mirror_every: int = 1, full_every: int | None = incremental.DEFAULT_FULL_EVERY):
         runs.check_policy(keep_last, retention)
         publish.check_options(verify=verify, rehearse=rehearse, headroom=headroom)
         self.key = signing.resolve(signing_key, directory)
@@ -133,7 +128,7 @@ class CheckpointManager:
         self._origin: int | None = None  # where the cadence started counting (first due() call)
         self._writer = Writer(max_in_flight)
         weakref.finalize(self, report_at_exit, self._writer, str(directory))
-        self._publisher.full_every = publish.check_full_every(full_every)
+        self._publisher.full_every = incremental.check_full_every(full_every)
         self._session = _session(process_group, collective_timeout_s, full_every)  # multi-rank mode, or None
         tiered = replicas is not None or node is not None or failure_domain is not None
         if tiered or mirror_every != 1:  # node-local tiers; mirror= is then their remote tier
@@ -166,29 +161,15 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish every background save, release the directory and the checkpoint groups, then raise any
-        unreported failure.
-
-        Called while an exception propagates (from ``with``, a ``finally`` or an ``except``), it lets that
-        exception surface: an unreported background failure is logged and added to it as a note, not raised
-        over it. In a multi-rank run it then runs no collective at all, since the other ranks may be waiting
-        in a training collective for this one: it waits for no background save (one in flight is left as a
-        crash leaves it: nothing partial is ever published), releases the directory (when no save of this
-        rank is still writing) and the checkpoint groups, and returns at once, so that the launcher sees the
-        failure and stops the job as it would without trainstate.
-        """
+        unreported failure. Called while an exception propagates (``with``, a ``finally``, an ``except``), it lets
+        that exception surface (a background failure is logged and added to it as a note), and in a multi-rank
+        run it runs no collective: other ranks may be waiting for this one in a training collective
+        (:meth:`Session.leave <trainstate.distributed.session.Session.leave>`)."""
         failing = sys.exc_info()[1]
         if self._session is not None and self._session.closed:  # closed already: nothing left to release
             return
         if failing is not None and self._session is not None:
-            left = self._writer.abandon()
-            if left:
-                log.warning("closing on %s: background save(s) %s left in flight, as a crash would leave them "
-                            "(nothing partial is published)", type(failing).__name__, ", ".join(left))
-            if self._mirror is not None:
-                mirror_mod.finish(self._mirror, 0.0)  # uploads in flight are not waited for either
-            self._release(bool(left))
-            self._writer.note_unreported(failing)
-            return
+            return self._session.leave(self, failing)
         try:
             self._writer.shutdown()
             if self._session is not None:
@@ -217,15 +198,12 @@ class CheckpointManager:
              metrics: Mapping[str, float] | None = None, blocking: bool = True) -> GenerationInfo | SaveHandle:
         """Publish a generation of ``state``; returns once it is durable, verified and latest.
 
-        Refuses while gradients are pending unless ``include_grads=True``
-        (which saves them too). ``metrics`` are recorded in the manifest for
-        the retention policy's ``best``. :class:`InsufficientSpace` is raised
-        before anything is written when the disk cannot hold the generation.
-        With ``blocking=False`` it returns a :class:`SaveHandle` once an owned
-        copy exists (the live objects may change at once); at most
-        ``max_in_flight`` saves run, and a background failure is raised once,
-        by ``handle.wait()`` or the next ``save``, ``wait`` or ``close``.
-        """
+        Refuses while gradients are pending unless ``include_grads=True`` (which saves them too). ``metrics`` are
+        recorded in the manifest for the retention policy's ``best``. :class:`InsufficientSpace` is raised before
+        anything is written when the disk cannot hold the generation. With ``blocking=False`` it returns a
+        :class:`SaveHandle` once an owned copy exists (the live objects may change at once); at most
+        ``max_in_flight`` saves run, and a background failure is raised once, by ``handle.wait()`` or the next
+        ``save``, ``wait`` or ``close``."""
         self._writer.raise_unreported()
         usable.refuse_unusable(state)  # a restore that failed midway left it half loaded
         if not blocking and self.rehearse_factory is not None:
@@ -309,11 +287,9 @@ class CheckpointManager:
     def start_new_timeline(self, state: TrainState) -> None:
         """Declare that ``state`` starts a new timeline in this directory instead of continuing its run.
 
-        Nothing is deleted: generations of the old timeline are never counted
-        or pruned automatically, and one at an update the new timeline reaches
-        is set aside as ``abandoned``. Use it for a deliberate restart from
-        scratch in the same directory; to continue the run, ``restore`` instead.
-        """
+        Nothing is deleted: generations of the old timeline are never counted or pruned automatically, and one at an
+        update the new timeline reaches is set aside as ``abandoned``. Use it for a deliberate restart from scratch
+        in the same directory; to continue the run, ``restore`` instead."""
         state.lineage = [[new_timeline(), None]]
         state.parent = None
         self._new_timelines.add(state.lineage[-1][0])
@@ -416,21 +392,16 @@ class CheckpointManager:
                 rng_statistical_cuda: bool = False, in_place: bool | None = None) -> RestoreInfo | None:
         """Continue ``state`` from the latest verified full generation (or ``generation``).
 
-        Returns ``None`` when the directory holds no generation at all. Raises
-        :class:`NoValidGeneration` when generations exist but none verifies,
-        and :class:`ContractMismatch` (loading nothing) when the experiment
+        Returns ``None`` when the directory holds no generation at all. Raises :class:`NoValidGeneration` when
+        generations exist but none verifies, and :class:`ContractMismatch` (loading nothing) when the experiment
         contract differs, unless each differing field is in ``allow_changes``.
 
-        Tensors land in the live ones that match by name, shape and dtype, so
-        peak memory stays near the live state. A format-3 generation is read
-        once: every check runs first, then each 4 MiB chunk is digested (on
-        every core) before it is copied; a chunk that fails after others were
-        copied makes restore fall back, and if nothing loads completely the
-        state is unusable (:func:`trainstate.unusable_reason`; saves refuse
-        it). ``in_place=False`` reads into fresh tensors instead and loads them
-        only once all verified (twice the memory). Older generations: see
-        docs/concepts/restore.md.
-        """
+        Tensors land in the live ones that match by name, shape and dtype, so peak memory stays near the live state.
+        A format-3 generation is read once: every check runs first, then each 4 MiB chunk is digested (on every
+        core) before it is copied; a chunk that fails after others were copied makes restore fall back, and if
+        nothing loads completely the state is unusable (:func:`trainstate.unusable_reason`; saves refuse it).
+        ``in_place=False`` reads into fresh tensors instead and loads them only once all verified (twice the
+        memory). Older generations: see docs/concepts/restore.md."""
         started = time.monotonic()
         self._writer.drain()  # a background save in flight publishes first
         self._publisher.renamed.clear()  # the restored state names real generations
@@ -447,12 +418,13 @@ class CheckpointManager:
         except NoValidGeneration as exc:
             self.last_rejections = tuple(exc.rejections)
             raise
-        if self._mirror is not None and info is not None:
-            self._mirror.restored(info.generation.name)  # uploaded, if an earlier process stopped before it was
+        if self._mirror is not None and info is not None:  # uploaded, if an earlier process stopped before it was
+            info = self._mirror.restored(info)  # and what the pull passed over, among the rejections
         if info is not None:  # rank 0's verdict on every rank: they stop or go on together
             log_rate("restored", info.generation, time.monotonic() - started,
                       f"passing over {', '.join(r.generation for r in info.rejected)}" if info.rejected else "")
-            record = self._leader(lambda: done_mod.for_restore(self.store, self.key, info, state), "done")
+            record = done_mod.on_rank0(self._session, lambda: done_mod.for_restore(self.store, self.key, info, state),
+                                      "done")
             info = dataclasses.replace(info, done=record)
         self._compute.restart(info and info.generation.name, info.generation.wall_s if info else 0.0)
         return info
@@ -464,16 +436,9 @@ class CheckpointManager:
         info = self.save(state, metrics=None if reuse else metrics)
         if self._session is not None and self._session.tier is not None:  # on every node, each its own holding
             return self._session.write_done(self, info.name, state.tokens_seen, metrics)
-        return self._leader(lambda: done_mod.write(self.store, self.key, info.name, state.tokens_seen, metrics),
+        return done_mod.on_rank0(self._session,
+                                lambda: done_mod.write(self.store, self.key, info.name, state.tokens_seen, metrics),
                             "finish")
-
-    def _leader(self, work: Any, phase: str) -> Any:
-        """``work()`` on rank 0 only; its DoneRecord (or None) on every rank."""
-        record = work() if self._session is None or self._session.rank == 0 else None
-        if self._session is not None:
-            record = self._session.fg.broadcast(record and record.to_json(), phase)
-            record = record and done_mod.DoneRecord(**record)
-        return record
 
     # inspection --------------------------------------------------------------
     def latest(self) -> str | None:

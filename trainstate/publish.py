@@ -8,7 +8,8 @@ writer thread for a background one:
 1. take the directory lock;
 2. decide about an existing generation of the name (:meth:`Publisher.make_room`);
 3. remove leftovers of interrupted saves;
-4. preflight: refuse before staging when the disk cannot hold it;
+4. preflight: refuse before staging when the disk cannot hold what the save
+   writes (an incremental save's plan is made first: a linked file writes nothing);
 5. stage, write and fsync every file, write the manifest last, commit
    (rename, fsync the parent): :meth:`Publisher.stage_and_commit`;
 6. verify the committed generation against the manifest just written;
@@ -22,7 +23,6 @@ The fsync and rename calls themselves live in the storage backend
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import math
@@ -35,7 +35,7 @@ from .errors import (CorruptGeneration, GenerationExists, InsufficientSpace, Inv
                      PendingGradients, TrainStateError)
 from .format import tensorfile
 from .format.digest import new_hasher
-from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_name,
+from .format.manifest import (MANIFEST, POINTER, RUN, STATE, WEIGHTS_POINTER, Manifest, check_metrics,
                               generation_name, generation_order, parse_run, run_to_bytes)
 from .format.signing import SigningKey
 from .lifecycle import incremental
@@ -97,6 +97,11 @@ class Pending:
         return (sum(t.nbytes for t in self.tensors.values()) + 128 * len(self.tensors)
                 + len(snapshot.state_json(self.skeleton)))
 
+    def estimate(self, plan: incremental.Plan) -> int:
+        """The bytes an incremental save writes, as the preflight estimates them: the tensors of the files it
+        does not link (a hard link takes no data blocks), their headers, and the state JSON."""
+        return incremental.written_bytes(plan, self.tensors) + len(snapshot.state_json(self.skeleton))
+
 
 def check_options(*, verify: str, rehearse: Factory | None, headroom: float) -> None:
     """The manager's publication options, checked when it is built rather than at the first save."""
@@ -107,34 +112,6 @@ def check_options(*, verify: str, rehearse: Factory | None, headroom: float) -> 
         raise InvalidArgument(f"headroom must be a fraction in [0, 10], got {headroom!r}")
     if rehearse is not None and not callable(rehearse):
         raise InvalidType("rehearse must be a function returning a fresh TrainState")
-
-
-DEFAULT_FULL_EVERY = 8  # incremental by default: each 8th generation along a timeline links nothing
-
-
-def check_full_every(full_every: int | None) -> int | None:
-    """``full_every``: ``None`` (every generation self-contained) or N >= 1 (incremental, every N-th whole)."""
-    if full_every is None:
-        return None
-    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
-        raise InvalidArgument(f"full_every must be a whole number of saves >= 1, or None; got {full_every!r}")
-    return full_every
-
-
-def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
-    out = {}
-    for name, value in (metrics or {}).items():
-        check_name("metric", name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InvalidArgument(f"metric {name!r} must be a finite number, got {value!r}")
-        out[name] = float(value)
-    return out
-
-
-def policy_record(policy: Retention) -> dict[str, Any]:
-    record = dataclasses.asdict(policy)
-    record["best"] = list(policy.best) if policy.best else None
-    return record
 
 
 def prepare(state: TrainState, retention: Retention, *, weights_only: bool, include_grads: bool,
@@ -162,7 +139,7 @@ def prepare(state: TrainState, retention: Retention, *, weights_only: bool, incl
     if state.lineage is None:
         state.lineage = [[new_timeline(), None]]
     pending = Pending(name, kind, state.next_update, state.parent, skeleton, tensors, {
-        "data": positions, "metrics": recorded, "retention": policy_record(retention),
+        "data": positions, "metrics": recorded, "retention": retention.record(),
         "lineage": [list(e) for e in state.lineage] if kind == "full" else []})
     if kind == "full":
         state.parent = name
@@ -192,7 +169,7 @@ class Publisher:
         self.full_every: int | None = None  # incremental generations, one self-contained in every N (or None)
         self.known: dict[str, tuple[Manifest, int]] = {}  # the last generation staged here, for the next save
         self.incremental_saves = 0  # incremental saves planned here: every full_every-th probes (incremental.take)
-        self.checked: dict[tuple[int, int], tuple[int, int]] = {}  # part files found intact (incremental.intact)
+        self.fresh = False  # the next incremental save links nothing: the last one's verification failed
         self.clean_due = True  # an object store's leftovers: looked for at the first save, and after a failed one
 
     def publish(self, p: Pending) -> GenerationInfo:
@@ -251,16 +228,21 @@ class Publisher:
         """Steps 3 to 8: everything up to and including the pointer move."""
         self.clean_if_due()
         p.extra["run"] = self.run_identity()
+        plan = self.plan_increment(p)
         if self.preflight:
-            self.check_space(p.name, p.estimated_bytes)
-        manifest_bytes = self.stage_and_commit(p)
+            self.check_space(p.name, p.estimated_bytes if plan is None else p.estimate(plan),
+                             linked=0 if plan is None else incremental.linked_bytes(plan))
+        manifest_bytes = self.stage_and_commit(p, plan)
         try:
             verified = verify_generation(self.store, p.name, content=self.verify_mode == "full", key=self.key)
             if verified.manifest.to_bytes(self.key) != manifest_bytes:
                 raise CorruptGeneration(p.name, "committed manifest differs from the one written")
         except CorruptGeneration:
+            self.distrust()
             self.store.remove(p.name)  # committed but not what we wrote: never let it become latest
             raise
+        if plan is not None:
+            self.fresh = False  # (a weights-only save links nothing either way)
         if p.kind == "full" and self.rehearse_factory is not None:
             self.rehearse_new(p.name)
         try:
@@ -275,7 +257,7 @@ class Publisher:
     def withdraw(self, name: str, kind: str) -> None:
         """The pointer move failed: a save that raises publishes nothing, so the committed generation goes,
         unless the pointer names it after all (the rename landed, a later step failed). Best effort: left
-        behind, it is complete and verified, and a restart rolls forward to it (see restore.candidates)."""
+        behind, it is complete and verified, and a restart rolls forward to it (see lifecycle.candidates)."""
         try:
             if self.committed_name(kind) != name:
                 self.store.remove(name)
@@ -415,8 +397,9 @@ class Publisher:
         return None if pointer is None else pointer.generation
 
     # 4. preflight ---------------------------------------------------------------
-    def check_space(self, name: str, live_bytes: int) -> None:
-        """Refuse before staging when the generation cannot fit, after pruning what policy allows."""
+    def check_space(self, name: str, live_bytes: int, *, linked: int = 0) -> None:
+        """Refuse before staging when the ``live_bytes`` the save writes cannot fit, after pruning what policy
+        allows (``linked``: the bytes of the files it links, which take no space, named in the refusal)."""
         estimate = live_bytes + (64 << 10)  # the manifest, and a block of slack per file
         needed = int(estimate * (1 + self.headroom))
         free = self.store.free_bytes()
@@ -433,25 +416,44 @@ class Publisher:
             join_removals()
             free = self.store.free_bytes() or 0
         if free < needed:
-            raise InsufficientSpace(self.store.location, name, needed, free)
+            raise InsufficientSpace(self.store.location, name, needed, free, linked=linked)
+
+    def distrust(self) -> None:
+        """A committed generation failed its verification: whatever it linked or copied, the retry writes every
+        file afresh from the live tensors (a retry that linked again would copy the same damage), and an object
+        store proves again every object it took as proven."""
+        self.fresh = True
+        forget = getattr(self.store, "forget_proven", None)
+        if forget is not None:
+            forget()
 
     # 5. stage, write, commit ------------------------------------------------------
-    def stage_and_commit(self, p: Pending) -> bytes:
-        """Write every file into a staging area, the manifest last, then commit; returns the manifest's bytes."""
+    def plan_increment(self, p: Pending) -> incremental.Plan | None:
+        """What an incremental save links and writes (``None``: the save writes one tensor file), every file it
+        links proven intact (:func:`.incremental.prove`): decided before the preflight, which counts only what
+        is written."""
+        if self.full_every is None or p.kind != "full":
+            return None
+        plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints,
+                                self.known, probe=incremental.probing(self.incremental_saves, self.full_every),
+                                fresh=self.fresh)
+        self.incremental_saves += 1
+        return incremental.prove(self.store, plan)
+
+    def stage_and_commit(self, p: Pending, plan: incremental.Plan | None = None) -> bytes:
+        """Write every file into a staging area, the manifest last, then commit; returns the manifest's bytes.
+        ``plan``: an incremental save's (:meth:`plan_increment`), written by what changed, the rest linked."""
         staging = self.store.begin(p.name)
         meter = None
         try:
             stable = all(t.device.type == "cpu" for t in p.tensors.values())
             state_json = snapshot.state_json(p.skeleton)
             extra: dict[str, Any] = {}
-            if self.full_every is not None and p.kind == "full":  # written by what changed, the rest linked
-                plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints,
-                                        self.known, probe=incremental.probing(self.incremental_saves, self.full_every))
-                self.incremental_saves += 1
+            if plan is not None:
                 meter = progress.optional(None, f"save {p.name}", self.progress, deferred=True)
                 files, extra = incremental.write(
                     staging, plan, p.tensors, lambda chunks: progress.counted(chunks, meter), stable, self.store,
-                    self.checked, total=lambda n: meter and meter.restart(len(state_json) + n, f"save {p.name}"))
+                    total=lambda n: meter and meter.restart(len(state_json) + n, f"save {p.name}"))
                 files.insert(0, staging.write(STATE, progress.counted([state_json], meter)))
             else:
                 layout = tensorfile.plan(p.tensors)
@@ -468,7 +470,7 @@ class Publisher:
             manifest_bytes = manifest.to_bytes(self.key)
             staging.write(MANIFEST, [manifest_bytes])
             staging.commit()
-            if extra:  # the next save's parent, most likely: its fingerprints and depth without a read
+            if extra and plan is not None:  # the next save's parent, most likely: fingerprints, depth, no read
                 self.known = {p.name: (manifest, plan.depth + 1 if manifest.shares else 0)}
         except BaseException:
             staging.abort()

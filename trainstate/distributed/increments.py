@@ -52,7 +52,6 @@ class ShardPlan:
     parent: Manifest | None
     link: bool
     depth: int  # generations in a row that link files, ending with the parent
-    checked: dict
     probe: bool = True  # fingerprint every item (incremental.take)
 
     def write(self, staging: Any, rank: int, tensors: dict[str, torch.Tensor]) -> tuple[list[FileRecord], dict]:
@@ -62,8 +61,7 @@ class ShardPlan:
         plan = incremental.lay_out(tensors, self.parent, self.link, self.depth, self.probe, main=shard_file(rank),
                                    prefix=part_prefix(rank))
         # stable: CPU memory nobody changes while this runs (see Writer.write_data)
-        return incremental.write(staging, plan, tensors, lambda chunks: chunks, True, self.store, self.checked,
-                                 write_empty=False)
+        return incremental.write(staging, plan, tensors, lambda chunks: chunks, True, self.store, write_empty=False)
 
 
 class RankIncrements:
@@ -72,15 +70,13 @@ class RankIncrements:
     def __init__(self, full_every: int):
         self.full_every = full_every
         self.known: dict[str, tuple[Manifest, int]] = {}
-        self.checked: dict[tuple[int, int], tuple[int, int]] = {}  # part files found intact (incremental.intact)
         self.saves = 0  # plans begun: every full_every-th probes (incremental.take)
 
     def begin(self, store: Any, key: Any, parent: str | None) -> ShardPlan:
         """The plan of the next save descending from ``parent`` (read from ``store`` unless kept)."""
         manifest, chain, link = incremental.parent_of(store, key, parent, self.full_every, self.known)
         self.saves += 1
-        return ShardPlan(store, manifest, link, chain, self.checked, incremental.probing(self.saves - 1,
-                                                                                         self.full_every))
+        return ShardPlan(store, manifest, link, chain, incremental.probing(self.saves - 1, self.full_every))
 
     def published(self, manifest: Manifest | None, plan: ShardPlan | None, prepared: str | None = None) -> None:
         """Keep ``manifest`` (just committed, every rank parsed it) for the next save's plan, also under the name

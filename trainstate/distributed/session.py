@@ -21,7 +21,8 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from ..errors import CheckpointFailed, InvalidArgument, TrainStateError
 from ..format.manifest import generation_name
 from ..lifecycle.generations import new_timeline
-from ..publish import Pending, check_metrics, policy_record
+from ..format.manifest import check_metrics
+from ..publish import Pending
 from ..records import GenerationInfo, RestoreInfo
 from ..errors import Rejection
 from ..state.train_state import TrainState
@@ -114,7 +115,7 @@ class Session:
         name = generation_name(state.next_update, kind)
         pending = DistPending(name, kind, state.next_update, state.parent, snap.global_skeleton, {}, {
             "data": snap.data if kind == "full" else {}, "metrics": check_metrics(metrics),
-            "retention": policy_record(manager.retention),
+            "retention": manager.retention.record(),
             "lineage": [list(e) for e in state.lineage] if kind == "full" else []}, snap)
         if kind == "full":
             state.parent = name
@@ -329,6 +330,24 @@ class Session:
 
     def barrier(self, phase: str) -> None:
         self.fg.barrier(phase)
+
+    def leave(self, manager: Any, failing: BaseException) -> None:
+        """The manager's close while ``failing`` propagates on this rank: no collective at all (the other ranks
+        may be waiting for this one in a training collective, and would hold it there until a timeout). No
+        background save is waited for (one in flight is left as a crash leaves it: nothing partial is ever
+        published), nor an upload; the directory (unless a save of this rank still writes) and the groups are
+        released, and the close returns at once, so that the launcher sees the failure and stops the job as it
+        would without trainstate."""
+        from ..lifecycle import mirror as mirror_mod
+
+        left = manager._writer.abandon()
+        if left:
+            log.warning("closing on %s: background save(s) %s left in flight, as a crash would leave them "
+                        "(nothing partial is published)", type(failing).__name__, ", ".join(left))
+        if manager._mirror is not None:
+            mirror_mod.finish(manager._mirror, 0.0)
+        manager._release(bool(left))
+        manager._writer.note_unreported(failing)
 
     @property
     def closed(self) -> bool:

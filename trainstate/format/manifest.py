@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from .digest import ALGORITHMS, CRYPTOGRAPHIC, chunk_count, chunk_hex_length, chunked_top, digest_bytes, is_chunked
@@ -433,6 +434,17 @@ def check_name(kind: str, name: object) -> str:
         raise InvalidArgument(f"{kind} name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
                          "starting with a letter or digit")
     return name
+
+
+def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    """The metrics a manifest records (``save(..., metrics=)``): named as pins are, each a finite number."""
+    out = {}
+    for name, value in (metrics or {}).items():
+        check_name("metric", name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidArgument(f"metric {name!r} must be a finite number, got {value!r}")
+        out[name] = float(value)
+    return out
 
 
 def pins_to_bytes(pins: dict[str, str], key: SigningKey | None = None) -> bytes:

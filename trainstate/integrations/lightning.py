@@ -80,7 +80,7 @@ from ..errors import (ContinuationWarning, CorruptGeneration, DirectoryLocked, E
                       ReadOnlyDirectory, Rejection)
 from ..format.codec import TensorTable, encode
 from ..format.manifest import parse_generation_name
-from ..publish import DEFAULT_FULL_EVERY
+from ..lifecycle.incremental import DEFAULT_FULL_EVERY
 from ..format.signing import SigningKey
 from ..lifecycle.retention import Retention
 from ..manager import CheckpointManager

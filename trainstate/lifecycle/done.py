@@ -70,6 +70,16 @@ class DoneRecord:
         return dataclasses.asdict(self)
 
 
+def on_rank0(session: Any, work: Callable[[], DoneRecord | None], phase: str) -> DoneRecord | None:
+    """``work()`` on rank 0 only (every process when ``session`` is None: one process); its record, or None, on
+    every rank (a multi-rank :class:`~trainstate.distributed.session.Session`'s broadcast)."""
+    record = work() if session is None or session.rank == 0 else None
+    if session is not None:
+        record = session.fg.broadcast(record and record.to_json(), phase)
+        record = record and DoneRecord(**record)
+    return record
+
+
 def parse(data: bytes, key: SigningKey | None = None) -> DoneRecord:
     """A DONE record's bytes, strictly: every field present with its type, nothing unknown, signed when keyed."""
     raw = load_json(data, DONE)

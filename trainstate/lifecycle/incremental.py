@@ -25,16 +25,18 @@ tell what is owned and what is shared.
 An object store links by a server-side copy: none of the bytes is uploaded
 again, but each generation keeps objects of its own (the store bills them).
 A backend that cannot link at all writes the file: the generation is then
-self-contained, and correct, but not smaller. Before a local file is
-linked it is checked (:func:`intact`), so damage on disk is never passed on
-to a generation whose state was whole in memory.
+self-contained, and correct, but not smaller. A file is linked only from
+bytes proven intact, so damage is never passed on to a generation whose
+state was whole in memory: a local file by its bytes at every save
+(:func:`intact`, :func:`prove`), a server-side copy by the object store
+(:meth:`trainstate.storage.objects.ObjectStaging.link`). A file that fails
+is written afresh from the live tensors.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CorruptGeneration
+from ..errors import CorruptGeneration, InvalidArgument
 from ..format import tensorfile
 from ..format.digest import digest_stream
 from ..format.manifest import INCREMENTAL_VERSION, FileRecord, Manifest, generation_order
@@ -54,6 +56,16 @@ from ..storage.base import Staging, Store
 from ..storage.verify import read_manifest
 
 log = logging.getLogger("trainstate")
+DEFAULT_FULL_EVERY = 8  # incremental by default: each 8th generation along a timeline links nothing
+
+
+def check_full_every(full_every: int | None) -> int | None:
+    """``full_every``: ``None`` (every generation self-contained) or N >= 1 (incremental, every N-th whole)."""
+    if full_every is None:
+        return None
+    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+        raise InvalidArgument(f"full_every must be a whole number of saves >= 1, or None; got {full_every!r}")
+    return full_every
 
 
 @dataclass
@@ -65,6 +77,7 @@ class Plan:
     parent: Manifest | None
     depth: int  # generations in a row that link files, ending with the parent (0: the parent links none)
     shares: dict[str, str] = field(default_factory=dict)
+    proven: bool = False  # every file ``layout.linked`` names was proven intact (:func:`prove`)
 
 
 def origins(manifest: Manifest) -> set[tuple[str, str]]:
@@ -174,11 +187,12 @@ def recorded(now: Mapping[str, Fingerprint], previous: Mapping[str, Mapping[str,
 
 def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor], parent: str | None,
          full_every: int, now: dict[str, Fingerprint] | None = None,
-         known: dict[str, tuple[Manifest, int]] | None = None, probe: bool = True) -> Plan:
+         known: dict[str, tuple[Manifest, int]] | None = None, probe: bool = True, fresh: bool = False) -> Plan:
     """Read the parent's manifest (:func:`parent_of`), fingerprint ``tensors`` (:func:`take`; ``now``: every
-    tensor's, taken already) and lay the generation out (see :mod:`trainstate.state.parts`)."""
+    tensor's, taken already) and lay the generation out (see :mod:`trainstate.state.parts`). ``fresh``: link
+    nothing (the save after one whose verification failed writes every file from the live tensors)."""
     manifest, chain, link = parent_of(store, key, parent, full_every, known)
-    return lay_out(tensors, manifest, link, chain, probe, now)
+    return lay_out(tensors, manifest, link and not fresh, chain, probe, now)
 
 
 def lay_out(tensors: Mapping[str, torch.Tensor], manifest: Manifest | None, link: bool, depth: int, probe: bool,
@@ -195,38 +209,34 @@ def lay_out(tensors: Mapping[str, torch.Tensor], manifest: Manifest | None, link
     return Plan(recorded(now, previous, sizes), layout, manifest if link else None, depth)
 
 
-def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int, int], tuple[int, int]]) -> bool:
-    """Whether ``manifest``'s local file still holds what was recorded, before a save links it: a file damaged
-    since it was written would otherwise pass its damage on to a generation whose state was whole in memory.
+def intact(store: Store, manifest: Manifest, file: str) -> bool:
+    """Whether ``manifest``'s local file still holds what was recorded, proven by its bytes before a save links
+    it: a file damaged since it was written would otherwise pass its damage on to a generation whose state was
+    whole in memory.
 
     Under a chunked digest the header's chunk is checked against its digest and every tensor's bytes against
-    its XXH3 fingerprint (memory speed, from the page cache); under a whole-file digest, the whole file.
-    ``checked``: files this process already found intact, by device and inode, with their size and
-    modification time then: a file checked once is not read again until one of them moves (a write moves the
-    modification time). A remote file is not read (that would download it): the server copies its own bytes,
-    and a restore checks every chunk.
+    its XXH3 fingerprint (memory speed, from the page cache); under a whole-file digest, the whole file. At every
+    save: bit rot moves neither a file's size nor its modification time, so nothing short of its bytes tells
+    that it still holds them. An object store's file is proven where it is copied
+    (:meth:`trainstate.storage.objects.ObjectStaging.link`): the copy, not the source, becomes the new
+    generation's file.
     """
+    if getattr(store, "remote", False):
+        return True
     record, where = manifest.file(file), f"{manifest.generation}/{file}"
     try:
         opened = store.open(manifest.generation, file)
     except OSError as exc:  # gone (a node-local tier that never held it, a prune): written afresh
         log.info("not linking %s: %s", where, exc)
         return False
-    with opened as stream:
-        fd = chunked.positional(stream)
-        if fd is None:
-            return True
-        st = os.fstat(fd)
-        if checked.get((st.st_dev, st.st_ino)) == (st.st_size, st.st_mtime_ns):
-            return True
-        try:
-            ok = _holds(stream, fd, manifest, record, where)
-        except (CorruptGeneration, ValueError, OSError) as exc:
-            log.warning("not linking %s: %s", where, exc)
-            return False
-    if ok:
-        checked[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns)
-    else:
+    try:
+        with opened as stream:
+            fd = chunked.positional(stream)
+            ok = fd is not None and _holds(stream, fd, manifest, record, where)
+    except (CorruptGeneration, ValueError, OSError) as exc:
+        log.warning("not linking %s: %s; this save writes the file afresh", where, exc)
+        return False
+    if not ok:
         log.warning("not linking %s: its bytes no longer match what was recorded when it was written (damaged on "
                     "disk); this save writes the file afresh. Every generation naming it is damaged: "
                     "`trainstate verify` lists them", where)
@@ -236,24 +246,54 @@ def intact(store: Store, manifest: Manifest, file: str, checked: dict[tuple[int,
 def _holds(stream: Any, fd: int, manifest: Manifest, record: FileRecord, where: str) -> bool:
     if not record.chunks:  # a whole-file digest (blake3, sha256): only the whole file can be checked
         return digest_stream(stream, manifest.digest_algorithm, record.size) == (record.size, record.digest)
-    prints = {n: Fingerprint.from_json(v) for n, v in manifest.fingerprints[record.name].items()}
+    recorded = manifest.fingerprints.get(record.name)
+    if recorded is None:  # a file of a generation without fingerprints (a mirror's holder): every chunk's digest
+        chunked.holds(stream, record, where, manifest.digest_algorithm)
+        return True
+    prints = {n: Fingerprint.from_json(v) for n, v in recorded.items()}
     return _prints(stream, fd, record, where, manifest.digest_algorithm, None) == prints
 
 
+def prove(store: Store, p: Plan) -> Plan:
+    """``p`` with each parent file it would link proven intact (:func:`intact`); one that is not is written afresh
+    from the live tensors instead. Before the preflight, which counts the bytes the save writes."""
+    if p.proven or not p.layout.linked:
+        p.proven = True
+        return p
+    assert p.parent is not None
+    whole = [file for file in p.layout.linked if intact(store, p.parent, file)]
+    written = {**p.layout.written, **{file: tuple(p.parent.fingerprints[file]) for file in p.layout.linked
+                                      if file not in whole}}
+    p.layout, p.proven = parts.Layout(tuple(whole), written), True
+    return p
+
+
+def written_bytes(p: Plan, tensors: Mapping[str, torch.Tensor]) -> int:
+    """The tensor bytes the files ``p`` writes hold (a linked file writes none: a hard link or a server-side
+    copy), with a header allowance per tensor as :attr:`trainstate.publish.Pending.estimated_bytes` counts."""
+    names = [n for names in p.layout.written.values() for n in names]
+    return sum(tensors[n].nbytes + 128 for n in names)
+
+
+def linked_bytes(p: Plan) -> int:
+    """The bytes of the parent files ``p`` links."""
+    return sum(p.parent.file(file).size for file in p.layout.linked) if p.parent is not None else 0
+
+
 def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: Any, stable: bool,
-          store: Store, checked: dict[tuple[int, int], tuple[int, int]],
-          write_empty: bool = True,
+          store: Store, write_empty: bool = True,
           total: Callable[[int], Any] | None = None) -> tuple[list[FileRecord], dict[str, Any]]:
     """Link and write the tensor files of ``p`` into ``staging``; their records and the manifest's format-4
-    fields. A file the backend cannot link, or that no longer holds what was recorded (:func:`intact`), is
-    written after all. ``write_empty=False``: a file left with no tensor is not written (a multi-rank shard
-    whose items are all linked). ``total``: told the bytes to be written, once the links are made."""
+    fields. A parent file is linked only once proven intact (:func:`prove`, here unless done already); one the
+    backend cannot link is written after all. ``write_empty=False``: a file left with no tensor is not written
+    (a multi-rank shard whose items are all linked). ``total``: told the bytes to be written, once the links are
+    made."""
+    prove(store, p)
     records: list[FileRecord] = []
     written = dict(p.layout.written)
     for file in p.layout.linked:
         assert p.parent is not None
-        linked = staging.link(file, p.parent.generation, p.parent.file(file)) if intact(
-            store, p.parent, file, checked) else None
+        linked = staging.link(file, p.parent.generation, p.parent.file(file))
         if linked is None:
             written[file] = tuple(p.parent.fingerprints[file])
             continue

@@ -9,6 +9,10 @@ compare-and-swap and prunes the remote under its retention policy.
 
 - Uploads run in order, one at a time; when saves outpace them the uploader
   skips to the newest local generation of each kind.
+- A file an incremental generation shares with its parent is copied on the
+  server from the remote's copy, once that copy is proven to hold the
+  recorded bytes (:func:`link_held`); a damaged remote copy is never copied
+  into the next remote generation: the local bytes are uploaded instead.
 - Local pruning keeps every generation newer than the remote ``latest``
   (and the one being uploaded): nothing is lost while the upload catches up.
 - An upload failure never fails a save: it is logged, reported by
@@ -30,14 +34,16 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import CorruptGeneration, ExistingRun, TrainStateError
+from ..errors import CorruptGeneration, ExistingRun, Rejection, TrainStateError
 from ..format.manifest import (MANIFEST, POINTER, RUN, FileRecord, Manifest, generation_order,
                                parse_generation_name, parse_run)
 from ..format.signing import SigningKey
 from ..progress import OnBytes
+from ..records import RestoreInfo
 from ..storage.base import Store, pinned
 from ..storage.verify import Verified, point_at, read_manifest, read_pointed, verify_generation
 from .generations import Lifecycle
+from .incremental import intact
 from .retention import Retention
 
 log = logging.getLogger("trainstate")
@@ -94,7 +100,10 @@ def link_held(dst: Store, staging: Any, manifest: Manifest, record: FileRecord, 
                also: str | None = None) -> bool:
     """An incremental generation's shared file, staged from the copy the destination already holds (its parent's,
     the generation that first wrote it, or ``also``: say the destination's latest), when that copy's manifest
-    records the same size and digest."""
+    records the same size and digest and the copy is proven to hold those bytes: a local file by its bytes
+    (:func:`.incremental.intact`), an object store's server-side copy by the store
+    (:meth:`trainstate.storage.objects.ObjectStaging.link`). Damage in the destination's copy is never copied
+    into another generation: the caller sends the file from the source's verified bytes instead."""
     holders = (manifest.parent, manifest.shares[record.name], also)
     for holder in dict.fromkeys(g for g in holders if g is not None):
         try:
@@ -102,8 +111,8 @@ def link_held(dst: Store, staging: Any, manifest: Manifest, record: FileRecord, 
             held = next((f for f in theirs.files if f.name == record.name), None)
         except (OSError, TrainStateError):
             continue
-        if held is not None and (held.size, held.digest) == (record.size, record.digest) and (
-                staging.link(record.name, holder, held) is not None):
+        if held is not None and (held.size, held.digest) == (record.size, record.digest) and intact(
+                dst, theirs, record.name) and staging.link(record.name, holder, held) is not None:
             return True
     return False
 
@@ -136,12 +145,14 @@ def pointer_update(store: Store, key: SigningKey | None) -> tuple[str, int] | No
     return None if p is None else (p.generation, p.next_update)
 
 
-def pull_newer(local: Store, remote: Store, key: SigningKey | None) -> str | None:
+def pull_newer(local: Store, remote: Store, key: SigningKey | None, rejected: list[Rejection] | None = None
+               ) -> str | None:
     """Copy the newest remote full generation that verifies and is newer than every local one; its name.
 
     Before a restore: on a fresh machine (empty local directory) this brings
     the run back; where local is ahead or level nothing is copied. A remote
-    candidate that fails verification is passed over for the next older.
+    candidate that fails verification is passed over for the next older, and
+    added to ``rejected``.
     """
     newest_local = max((generation_order(n) for n in local.generations()
                         if parse_generation_name(n)[1] == "full"), default=(-1, 0))
@@ -155,6 +166,9 @@ def pull_newer(local: Store, remote: Store, key: SigningKey | None) -> str | Non
             verified = copy_generation(remote, local, name, key)
         except (CorruptGeneration, FileNotFoundError) as exc:
             log.warning("remote %s/%s does not verify (%s); trying an older one", remote.location, name, exc)
+            if rejected is not None:
+                rejected.append(Rejection(name, f"the mirror's copy in {remote.location} does not verify ({exc}); "
+                                                "not pulled"))
             continue
         point_at(local, verified, key)
         log.info("copied %s from %s to %s for the restore", name, remote.location, local.location)
@@ -179,12 +193,15 @@ class Mirror:
         self.last_error: str | None = None
         self.failures = 0
         self._remote = pointer_update(remote, key) if _reachable(remote) else None
+        self.pull_rejected: list[Rejection] = []  # what the last pull passed over (restored() reports it)
         self._thread = threading.Thread(target=self._run, name="trainstate-mirror", daemon=True)
         self._thread.start()
 
     # the manager's hooks ------------------------------------------------------
     def pull(self) -> str | None:
-        """Before a restore: the remote copy when the local directory is empty or behind (see :func:`pull_newer`)."""
+        """Before a restore: the remote copy when the local directory is empty or behind (see :func:`pull_newer`);
+        the remote generations it passed over are kept for the restore's report (:meth:`restored`)."""
+        self.pull_rejected = []
         try:
             newer = [n for n in self.remote.generations()]
         except (TrainStateError, OSError) as exc:
@@ -200,7 +217,7 @@ class Mirror:
             return None
         self.local.lock()
         with pinned(self.remote):  # each remote commit record read once while the newest is chosen and copied
-            return pull_newer(self.local, self.remote, self.key)
+            return pull_newer(self.local, self.remote, self.key, self.pull_rejected)
 
     def published(self, name: str) -> None:
         """A local generation was published: upload it next (replacing an older one of its kind still queued)."""
@@ -211,16 +228,20 @@ class Mirror:
                 self._behind_since = time.time()
             self._cond.notify_all()
 
-    def restored(self, name: str) -> None:
-        """After a restore from ``name``: upload it now if the remote ``latest`` is older.
+    def restored(self, info: RestoreInfo) -> RestoreInfo:
+        """After a restore: upload its generation now if the remote ``latest`` is older; ``info`` with the remote
+        generations the pull passed over first among its rejections.
 
         An earlier process may have published it locally and stopped (killed,
         or closed before its upload finished); without this it would be
         uploaded only after the next save, and never if the run saves no more.
         """
+        name = info.generation.name
         kind = parse_generation_name(name)[1]
         if kind == "full" and (self._remote is None or generation_order(name) > generation_order(self._remote[0])):
             self.published(name)
+        passed, self.pull_rejected = tuple(self.pull_rejected), []
+        return dataclasses.replace(info, rejected=passed + info.rejected) if passed else info
 
     def held(self) -> set[str]:
         """Local generations pruning must keep: newer than the remote ``latest``, or being uploaded."""
@@ -299,9 +320,8 @@ class Mirror:
         else:
             self.remote.lock()  # renews, and notices a lost lease
         same_run(self.local, self.remote, self.key)
-        if name in self.remote.generations():
-            verified = verify_generation(self.remote, name, content=False, key=self.key)
-        else:
+        verified = self._held_remotely(name) if name in self.remote.generations() else None
+        if verified is None:
             for leftover in self.remote.clean_leftovers():
                 log.info("mirror: removed leftover %s from an interrupted upload", leftover)
             verified = copy_generation(self.local, self.remote, name, self.key)
@@ -318,6 +338,18 @@ class Mirror:
         except Exception as exc:
             log.error("mirror: %s is uploaded, but pruning the remote failed (%r); retried after the next upload",
                       name, exc)
+
+    def _held_remotely(self, name: str) -> Verified | None:
+        """A generation the remote holds already (an upload whose pointer move was cut off), verified to its last
+        byte before the remote ``latest`` names it; ``None`` once a damaged one is set aside (it is uploaded
+        again). Rare: only such an upload leaves a generation there that ``latest`` does not name yet."""
+        try:
+            return verify_generation(self.remote, name, content=True, key=self.key)
+        except CorruptGeneration as exc:
+            aside = self.remote.set_aside(name, "rejected")
+            log.warning("mirror: %s on %s is damaged (%s); set aside as %s, uploading it again", name,
+                        self.remote.location, exc, aside)
+            return None
 
 
 def _reachable(store: Store) -> bool:

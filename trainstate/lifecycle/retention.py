@@ -27,6 +27,7 @@ A generation is kept when any rule keeps it:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -62,6 +63,12 @@ class Retention:
             if (not isinstance(self.best, tuple) or len(self.best) != 2 or type(self.best[0]) is not str
                     or self.best[1] not in ("min", "max")):
                 raise InvalidArgument(f"best must be (metric_name, 'min' | 'max'), got {self.best!r}")
+
+    def record(self) -> dict:
+        """The policy as every full manifest records it (``retention``), so that a reopened run keeps it."""
+        record = dataclasses.asdict(self)
+        record["best"] = list(self.best) if self.best else None
+        return record
 
     def keep_for(self, kind: str) -> int:
         """How many of the newest generations of ``kind`` (``"full"`` or ``"weights"``) are kept."""

@@ -53,7 +53,7 @@ import torch
 
 from ..errors import CorruptGeneration
 from ..format import tensorfile
-from ..format.digest import CHUNK_BYTES, chunk_digest
+from ..format.digest import CHUNK_BYTES, chunk_digest, digest_stream
 from ..format.manifest import FileRecord, Manifest
 from .threads import in_order
 from .base import Store
@@ -223,6 +223,18 @@ def verify_file(stream: BinaryIO, record: FileRecord, where: str, algorithm: str
     stream.seek(record.size)
     if stream.read(1):
         raise CorruptGeneration(where, f"is longer than the {record.size} bytes the manifest records")
+
+
+def holds(stream: BinaryIO, record: FileRecord, where: str, algorithm: str) -> None:
+    """Check that the whole file ``stream`` reads is ``record``'s, by its chunk digests (every chunk on its own,
+    in parallel ranged reads for an object) or, under a whole-file digest, by that digest: else
+    :class:`CorruptGeneration`."""
+    if record.chunks:
+        verify_file(stream, record, where, algorithm)
+        return
+    _advise_sequential(stream)
+    if digest_stream(stream, algorithm, record.size) != (record.size, record.digest):
+        raise CorruptGeneration(where, f"{algorithm} digest mismatch (content changed)")
 
 
 def fits(dest: torch.Tensor | None, entry: tensorfile.Entry) -> bool:

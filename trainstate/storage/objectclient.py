@@ -192,12 +192,19 @@ class Client:
                                                          max_concurrency=8), replayable=False)
 
     def head(self, key: str) -> int | None:
+        version = self.version(key)
+        return None if version is None else version[0]
+
+    def version(self, key: str) -> tuple[int, str] | None:
+        """The object's size and ETag (``""`` where the store gives none), or ``None`` when it is not there. A
+        replacement of the object moves its ETag, whatever its size."""
         import obstore
 
         try:
-            return int(self._call("reading", key, lambda: obstore.head(self.store, key))["size"])
+            meta = self._call("reading", key, lambda: obstore.head(self.store, key))
         except Missing:
             return None
+        return int(meta["size"]), meta["e_tag"] or ""
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         import obstore
@@ -306,7 +313,7 @@ class Client:
                 raise FileNotFoundError(f"{self.url}/{key} was removed or replaced while being read") from None
             return memoryview(body).cast("B")
 
-        return ObjectReader(open_range, size, f"{self.url}/{key}", fetch)
+        return ObjectReader(open_range, size, f"{self.url}/{key}", fetch, version=e_tag or "")
 
 
 def _views(call: Callable[[Callable[[], Any]], Any], stream: Any) -> Iterator[memoryview]:
@@ -339,8 +346,9 @@ class ObjectReader(SeekableReader):
     MAX_SPAN = 64 << 20
 
     def __init__(self, open_range: Callable[[int, int], Iterator[memoryview]], size: int, name: str,
-                 fetch: Callable[[int, int], memoryview] | None = None):
+                 fetch: Callable[[int, int], memoryview] | None = None, *, version: str = ""):
         self._open_range, self._size, self.name, self._fetch = open_range, size, name, fetch
+        self.version = version  # the ETag every request is pinned to ("" where the store gives none)
         self._pos = 0
         self._chunks: Iterator[memoryview] | None = None
         self._pending = memoryview(b"")

@@ -32,23 +32,24 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import re
-import secrets
 import socket
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
-from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, RunDirectoryGone, TrainStateError
+from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, TrainStateError
 from ..format.digest import FAST_CHUNKED, new_hasher
 from ..format.manifest import MANIFEST, MAX_JSON_BYTES, POINTER, WEIGHTS_POINTER, FileRecord, newest_first
-from .objectclient import Client, Missing, Precondition, Taken
+from .lease import Lease, token as _token
+from .objectclient import Client, Precondition, Taken
 from .multipart import OpenUploads
 from .posix import coalesce
 
 __all__ = ["ObjectStaging", "ObjectStore"]
+log = logging.getLogger("trainstate")
 
 _TOKEN = r"[0-9a-f]{16}"
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}"
@@ -67,10 +68,6 @@ def part_size(size_hint: int | None) -> int:
         return PART_SIZE
     needed = -(-size_hint * 11 // 10 // MAX_PARTS)  # ceil, 10% headroom for a hint that runs short
     return max(PART_SIZE, -(-needed // (1 << 20)) << 20)
-
-
-def _token() -> str:
-    return secrets.token_hex(8)
 
 
 def _record(generation: str, attempt: str) -> bytes:
@@ -133,21 +130,34 @@ class ObjectStaging:
     def link(self, file: str, generation: str, record: FileRecord) -> FileRecord | None:
         """A server-side copy of the same file of committed ``generation``: none of its bytes is uploaded
         (an object store stores the copy again; each generation's objects stay its own). ``None`` where the
-        source is gone, is not the recorded size, or the store refuses the copy (S3 copies at most 5 GB in
-        one request): the caller uploads the file instead."""
-        client = self._store.client
+        source is gone, is not the recorded size, the store refuses the copy (S3 copies at most 5 GB in
+        one request), or the copy does not hold ``record``'s bytes: the caller uploads the file instead.
+
+        The copy is proven to hold ``record`` (:meth:`ObjectStore.proven`): at once when the source is a version
+        this store proved before, else by reading the copy back against ``record``'s digests. A damaged source
+        (a replaced object, a flipped bit) thus never becomes a file of a new generation."""
+        client, target = self._store.client, self.prefix + file
         attempt = self._store._attempt_or_none(generation)
         source = f"attempts/{attempt}/{file}"
         try:
-            if attempt is None or client.head(source) != record.size:
+            version = None if attempt is None else client.version(source)
+            if version is None or version[0] != record.size:
                 return None
-            client.copy(source, self.prefix + file)
+            client.copy(source, target)
         except (OSError, TrainStateError):
             return None
-        if client.head(self.prefix + file) != record.size:
+        landed = client.version(target)
+        if landed is None or landed[0] != record.size:
             raise CorruptGeneration(f"{self.generation}/{file}", f"a server-side copy of {generation}/{file} "
                                     "landed with another size; the attempt was abandoned")
-        return record
+        if self._store.proven(source, version[1], record):
+            self._store.prove_as(target, landed[1], record)  # a copy by the server of bytes proven here
+            return record
+        if self._store.prove(target, record, f"{generation}/{file}", landed[1]):
+            return record
+        with contextlib.suppress(Exception):  # (the upload that follows replaces it; an abort removes it)
+            client.delete(target)
+        return None
 
     def commit(self) -> None:
         """The create-only commit record: the one moment the generation becomes visible."""
@@ -183,7 +193,7 @@ class ObjectStore:
         self.digest_algorithm = digest_algorithm
         self.client = client if client is not None else Client(url, storage_options)
         self.lease_s = lease_s
-        self._lease: _Lease | None = None
+        self._lease: Lease | None = None
         self.uploads = OpenUploads(url, storage_options)
         # generation -> attempt, as read from its commit (or aside) record, kept only while this store holds the
         # writer lease: then nobody else creates or deletes records, and this store forgets what it changes
@@ -191,6 +201,9 @@ class ObjectStore:
         self._manifests: dict[str, bytes] = {}  # attempt -> its manifest: never rewritten once an attempt committed,
         # so kept by every store, a reader's too (attempt names are never reused)
         self._pins = 0  # open pinned() scopes: commit records read once each, for a reader too
+        # object key -> (ETag, digest): versions whose bytes this store proved to hold the file of that digest
+        # (read back against the manifest's digests, or copied by the server from such a version)
+        self._proven: dict[str, tuple[str, str]] = {}
 
     # reading -----------------------------------------------------------------
     def generations(self) -> list[str]:
@@ -208,6 +221,46 @@ class ObjectStore:
             self._pins -= 1
             if not self._pins and self._lease is None:
                 self._attempts.clear()
+
+    # proof of the bytes a server-side copy starts from --------------------------------
+    def proven(self, key: str, e_tag: str, record: FileRecord) -> bool:
+        """Whether object ``key``, now at version ``e_tag``, holds ``record``'s bytes as far as this store knows:
+        it proved that version (:meth:`prove`) or copied it from one it proved. A replacement of the object moves
+        its ETag, so what a replaced object holds is proven again; what is at rest is the store's to keep (it
+        checks its own checksums, a server-side copy included)."""
+        return bool(e_tag) and self._proven.get(key) == (e_tag, record.digest)
+
+    def prove_as(self, key: str, e_tag: str, record: FileRecord) -> None:
+        if e_tag:
+            self._proven[key] = (e_tag, record.digest)
+            if len(self._proven) > 4096:
+                self._proven.pop(next(iter(self._proven)))
+
+    def prove(self, key: str, record: FileRecord, where: str, e_tag: str) -> bool:
+        """Read object ``key`` back (bounded ranged GETs, every chunk against ``record``'s digests) and remember
+        the version proven. ``False``, with a warning, when it does not hold ``record``'s bytes."""
+        from .chunked import holds  # (imports torch, which a bare store does not need)
+
+        try:
+            with self.client.reader(key) as stream:
+                holds(stream, record, where, self.digest_algorithm)
+                version = stream.version
+        except CorruptGeneration as exc:
+            log.warning("not linking %s: its server-side copy does not hold what was recorded when it was written "
+                        "(%s); the file is written from the bytes in memory or on disk instead. Every generation "
+                        "naming it is damaged: `trainstate verify %s` lists them", where, exc.reason, self.location)
+            return False
+        except OSError as exc:
+            log.warning("not linking %s: its server-side copy could not be read back (%s); the file is written "
+                        "from the bytes in memory or on disk instead", where, exc)
+            return False
+        self.prove_as(key, version if version == e_tag else "", record)  # (replaced meanwhile: proven once)
+        return True
+
+    def forget_proven(self) -> None:
+        """Prove every object again before it is copied: a verification found bytes this store took as proven
+        to be damaged (bit rot the store did not catch)."""
+        self._proven.clear()
 
     def read_ranges(self, generation: str, file: str, spans: list[tuple[int, int]]) -> list[memoryview]:
         """The bytes of each ``[begin, end)`` span of a committed file (bounded ranged GETs, in parallel)."""
@@ -390,7 +443,7 @@ class ObjectStore:
             self._lease.check()
             return
         self._attempts.clear()  # records may have changed while another writer held the run (manifests: never)
-        self._lease = _Lease(self.client, "lock", self.lease_s, self.location, renew=True)
+        self._lease = Lease(self.client, "lock", self.lease_s, self.location, renew=True)
 
     def unlock(self) -> None:
         if self._lease is not None:
@@ -400,7 +453,7 @@ class ObjectStore:
 
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:
-        lease = _Lease(self.client, f"mutex-{name}", 30.0, self.location, renew=False, wait=True)
+        lease = Lease(self.client, f"mutex-{name}", 30.0, self.location, renew=False, wait=True)
         try:
             yield
         finally:
@@ -408,87 +461,3 @@ class ObjectStore:
 
     def free_bytes(self) -> int | None:
         return None
-
-
-class _Lease:
-    """An advisory lease object: created create-only, taken over by compare-and-swap once expired.
-
-    A holder on this host whose process is gone is taken over at once (a
-    SIGKILLed job restarted on the same machine does not wait out the lease).
-    The pointer's compare-and-swap, not this lease, is what keeps two writers
-    from losing each other's generations.
-    """
-
-    def __init__(self, client: Client, key: str, ttl_s: float, location: str, *, renew: bool, wait: bool = False):
-        self.client, self.key, self.ttl_s, self.location = client, key, ttl_s, location
-        self.owner = _token()
-        self.lost: str | None = None
-        self._e_tag = self._take(wait)
-        self._stop = threading.Event()
-        if renew:
-            threading.Thread(target=self._renew_loop, name=f"trainstate-lease-{key}", daemon=True).start()
-
-    def _body(self) -> bytes:
-        return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-                           "expires": time.time() + self.ttl_s}).encode()
-
-    def _take(self, wait: bool) -> str:
-        while True:
-            current = self.client.get_versioned(self.key)
-            try:
-                if current is None:
-                    return self.client.put(self.key, self._body(), create=True)
-                holder = _holder(current[0])
-                if holder["expired"] or holder["dead"]:
-                    return self.client.put(self.key, self._body(), e_tag=current[1])
-            except (Taken, Precondition):
-                continue
-            if not wait:
-                raise DirectoryLocked(
-                    f"{self.location} is being written by another process (pid {holder['pid']} on "
-                    f"{holder['host']}, lease for {holder['left']:.0f} s more); only one manager may write a run. "
-                    "Stop the other run, or give this one its own URL.")
-            time.sleep(0.05)
-
-    def _renew_loop(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
-            try:
-                self._e_tag = self.client.put(self.key, self._body(), e_tag=self._e_tag)
-            except (Taken, Precondition, Missing):
-                self.lost = "another process took the lease over"
-                return
-            except Exception:  # a transient outage: try again at the next tick, well before expiry
-                continue
-
-    def check(self) -> None:
-        if self.lost:
-            raise RunDirectoryGone(f"{self.location}: this manager lost its writer lease ({self.lost}); nothing "
-                                   "more is written there. Open a new manager to continue.")
-
-    def release(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(Exception):
-            current = self.client.get_versioned(self.key)
-            if current is not None and json.loads(current[0]).get("owner") == self.owner:
-                self.client.delete(self.key)
-
-
-def _holder(data: bytes) -> dict[str, Any]:
-    try:
-        raw = json.loads(data)
-        left = float(raw["expires"]) - time.time()
-        host, pid = str(raw["host"]), int(raw["pid"])
-    except (ValueError, KeyError, TypeError):
-        return {"expired": True, "dead": True, "pid": "?", "host": "?", "left": 0.0}
-    dead = host == socket.gethostname() and not _alive(pid)
-    return {"expired": left <= 0, "dead": dead, "pid": pid, "host": host, "left": left}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
