@@ -754,23 +754,36 @@ def collectives(out: Path) -> dict:
     }
 
 
+def _gloo_threads() -> int:
+    """This process's native gloo threads (each group's worker and transport loops), by their thread names."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # ended meanwhile
+            continue
+    return sum(name in ("pt_gloo_runloop", "gloo_tcp_loop") for name in names)
+
+
 @scenario
 def groups_released(out: Path) -> dict:
-    """Each manager creates three gloo groups; close destroys them: after a normal close, after one with an
-    exception propagating (on every rank here), and never by waiting on a collective. A closed manager's save
-    raises InvalidArgument. Control: a close that keeps its groups leaves three more per manager."""
+    """Each manager creates three gloo groups; close destroys them: after a normal close their threads and
+    sockets too, after one with an exception propagating (on every rank here) by name only, never waiting on a
+    collective. A closed manager's save raises InvalidArgument. Control: a close that keeps its groups leaves
+    three more, and their threads."""
     from torch.distributed.distributed_c10d import _world
 
     from trainstate.distributed.session import Session
 
     state = build("ddp", loader=False)
-    before = len(_world.pg_map)
-    counts = []
+    before, threads = len(_world.pg_map), _gloo_threads()
+    counts, leftover_threads = [], []
     for i in range(3):
         with manager(out / "run") as ckpt:
             step(state)
             ckpt.save(state)
         counts.append(len(_world.pg_map) - before)
+        leftover_threads.append(_gloo_threads() - threads)
     try:
         with manager(out / "run") as ckpt:
             step(state)
@@ -783,14 +796,17 @@ def groups_released(out: Path) -> dict:
         closed = "saved"
     except ts.InvalidArgument as exc:
         closed = str(exc)
+    del ckpt
+    pre_control = _gloo_threads()
     release = Session.release
-    Session.release = lambda self, writing: None  # the control: groups kept, as before
+    Session.release = lambda self, writing, clean: None  # the control: groups kept, as before
     try:
-        with manager(out / "control"):
+        with manager(out / "control") as kept:
             pass
     finally:
         Session.release = release
-    return {"counts": counts, "closed": closed, "control": len(_world.pg_map) - before}
+    return {"counts": counts, "closed": closed, "control": len(_world.pg_map) - before - counts[-1],
+            "threads": leftover_threads, "control_threads": _gloo_threads() - pre_control > 0, "kept": kept is not None}
 
 
 def _sized(mode: str, seed: int = 0) -> ts.TrainState:

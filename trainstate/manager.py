@@ -175,23 +175,23 @@ class CheckpointManager:
             if self._session is not None:
                 self._session.barrier("close")  # every rank's background saves are finished
         except BaseException:  # interrupted (Ctrl-C), or a peer lost: what this rank holds is released all the same
-            self._release(self._writer.in_flight() > 0)
+            self._release(self._writer.in_flight() > 0, clean=False)
             raise
         if self._mirror is not None:
             mirror_mod.finish(self._mirror, self.mirror_timeout_s)
-        self._release(False)
+        self._release(False, clean=True)
         if failing is not None:
             self._writer.note_unreported(failing)
         else:
             self._writer.raise_unreported()
 
-    def _release(self, writing: bool) -> None:
+    def _release(self, writing: bool, clean: bool) -> None:
         """The directory (kept while a save of this process is still ``writing``: it must not be taken over under
-        it) and the checkpoint groups (local to this rank; the writer's kept while a save uses it)."""
+        it) and the checkpoint groups (local; the writer's kept while a save uses it; see ``Session.release``)."""
         if not writing:
             self.store.unlock()
         if self._session is not None:
-            self._session.release(writing)
+            self._session.release(writing, clean)
 
     # saving ------------------------------------------------------------------
     def save(self, state: TrainState, *, weights_only: bool = False, include_grads: bool = False,

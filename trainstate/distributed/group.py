@@ -23,6 +23,7 @@ import json
 import os
 import re
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -141,16 +142,25 @@ class Ranks:
             raise CheckpointFailed(phase, {0: outcome["error"]})
         return outcome
 
-    def destroy(self) -> None:
+    def destroy(self, clean: bool) -> None:
         """Destroy this rank's groups (the manager's close): local, no collective. A later checkpoint collective
-        of this manager raises :class:`InvalidArgument` instead of running on a destroyed group."""
+        of this manager raises :class:`InvalidArgument` instead of running on a destroyed group.
+
+        ``destroy_process_group`` only unregisters a gloo group: its threads and sockets live while anything
+        references it. After a ``clean`` close (every collective of this manager finished) the references go
+        too, so the group's threads are joined and its sockets closed here (a peer still waiting on it learns
+        at once that the connection closed). Otherwise (a close while an exception propagates) a thread may
+        still run one of its collectives, and a join would wait for it: the group lives until the process
+        ends, which is what such a close leads to."""
         self.destroyed = True
         for group in (self.group, self.join_group):
             try:
-                if group is not None:
+                if group is not None and not isinstance(group, _Closed):
                     dist.destroy_process_group(group)
             except ValueError:  # destroyed already: by destroy_process_group() of the whole world
                 pass
+        if clean:
+            self.group = self.join_group = _CLOSED
 
     def barrier(self, phase: str) -> None:
         if self.unjoined is not None:  # a save some ranks never entered: they are elsewhere (training), so
@@ -228,6 +238,7 @@ def collective(phase: str, ranks: Ranks | None = None) -> Iterator[None]:
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
         failures = getattr(exc, "failures", None)
         if isinstance(failures, dict):  # DCP's CheckpointException: {rank: (exception, traceback)}
+            _drop_frames(exc, failures)
             own = [e for e, _ in failures.values() if isinstance(e, TrainStateError)]
             if ranks is not None and ranks.rank in failures and own:
                 raise own[0] from None
@@ -237,10 +248,26 @@ def collective(phase: str, ranks: Ranks | None = None) -> Iterator[None]:
         raise
 
 
+class _Closed:
+    """A destroyed group, dropped: never ``None``, which torch's collectives read as the whole world."""
+
+
+_CLOSED = _Closed()
+
+
 def _refuse_destroyed(ranks: Ranks, phase: str) -> None:
     if ranks.destroyed:
         raise InvalidArgument(f"{phase}: this CheckpointManager is closed (its checkpoint groups are destroyed); "
                               "open a new CheckpointManager on every rank to save or restore again")
+
+
+def _drop_frames(exc: BaseException, failures: dict) -> None:
+    """DCP keeps each rank's failure in a frame its own traceback references: a cycle that would keep the
+    manager, its groups and their threads alive until a full collection. The frames' locals are not needed."""
+    for failure in failures.values():
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+            traceback.clear_frames(failure[0].__traceback__)
+    traceback.clear_frames(exc.__traceback__)
 
 
 def _not_joined(rank: int, what: str, timeout_s: float, error: str, waited_s: float) -> SaveNotJoined:

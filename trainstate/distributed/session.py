@@ -346,7 +346,7 @@ class Session:
                         "(nothing partial is published)", type(failing).__name__, ", ".join(left))
         if manager._mirror is not None:
             mirror_mod.finish(manager._mirror, 0.0)
-        manager._release(bool(left))
+        manager._release(bool(left), clean=False)
         manager._writer.note_unreported(failing)
 
     @property
@@ -354,13 +354,13 @@ class Session:
         """Whether the manager's close released this session (its groups destroyed)."""
         return self.fg.destroyed
 
-    def release(self, writing: bool) -> None:
-        """Destroy the gloo groups this session created (local to this rank: no collective; a peer still
-        waiting on one learns at once that the connection closed). The writer's group stays while a background
+    def release(self, writing: bool, clean: bool) -> None:
+        """Destroy the gloo groups this session created (local to this rank: no collective; :meth:`Ranks.destroy`:
+        after a ``clean`` close their threads and sockets go too). The writer's group stays while a background
         save still ``writing`` uses it."""
-        self.fg.destroy()
+        self.fg.destroy(clean)
         if not writing:
-            self.bg.destroy()
+            self.bg.destroy(clean)
 
 
 __all__ = ["CheckpointFailed", "DistPending", "Ranks", "Session", "initialized"]
