@@ -675,4 +675,7 @@ def test_a_forked_child_does_not_wait_for_the_parents_save(scenarios):
 
 
 if __name__ == "__main__":
+    # A shell starts a background job (`.ci/run &`) with SIGINT ignored, and exec keeps that: Python then installs
+    # no KeyboardInterrupt handler, and every SIGINT this test sends would be dropped. Ctrl-C is what it tests.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(json.dumps(zygote(Path(sys.argv[1]))), flush=True)
