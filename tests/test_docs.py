@@ -27,7 +27,7 @@ def test_readme_keeps_the_two_set_up_commands_and_the_sites_loop():
     commands = [line for block in _blocks("sh") for line in block.splitlines()]
     assert commands[:2] == [
         "pip install torch==2.13.0 && pip install . && trainstate demo",
-        'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q -p no:cacheprovider']
+        'pip install torch==2.13.0 && pip install -e ".[test,torchtitan]" && pip install --no-deps torchtitan==0.3.0 && python -m pytest -q -p no:cacheprovider']
     assert next(b for b in _blocks("python") if "CheckpointManager" in b) == runnable("ten-line-loop")
     site = re.findall(r"```sh\n(.*?)```", page("getting-started.md"), re.S)
     assert site[:2] == _blocks("sh")[:2]  # the site's set-up is the README's

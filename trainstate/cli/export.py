@@ -16,6 +16,7 @@ from . import authenticity
 from ..errors import TrainStateError
 from ..format import signing
 from ..tools.bundle import is_bundle as _is_bundle, verify_bundle
+from ..lifecycle.rehearsal import load_factory
 from ..tools.export import DTYPES, export
 
 
@@ -36,6 +37,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hf-config", default=None, metavar="PATH",
                    help="a Hugging Face config.json (or a directory holding one) to write beside the weights; by "
                    "default the contract's 'config' field when it has a 'model_type'")
+    p.add_argument("--mapping", default=None, metavar="MODULE:FUNCTION",
+                   help="rename the tensors for another layout: a function given the generation's state.json that "
+                   "returns the mapping (e.g. trainstate.integrations.torchtitan:hf_mapping, Hugging Face names "
+                   "for a torchtitan model)")
     progress.add_flag(p)
     p.set_defaults(func=cmd_export)
 
@@ -45,7 +50,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     with progress.bar(None, "export", args.progress) as shown:
         info = export(args.generation, args.out, component=args.component, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, include=args.include, hf_config=args.hf_config,
-                      on_bytes=shown.update)
+                      on_bytes=shown.update, mapping=load_factory(args.mapping) if args.mapping else None)
     if args.json:
         print(json.dumps({"directory": info.directory, "generation": info.generation, "files": list(info.files),
                           "total_bytes": info.total_bytes, "shards": info.shards,

@@ -236,6 +236,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                            else c) for n, c in raw.items()},
         "shared_tensors": list(shared.values()),
         "tensor_bytes": sum(v["bytes"] for v in layouts.values()),
+        # a multi-rank generation: its world size, the components sharded through DCP (modules, optimizers) and
+        # those each rank keeps its own of (a data position); their tensors are in the rank and shard files
+        "sharded": _sharded_summary(state.get("sharded")),
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -245,10 +248,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sharded_summary(sharded: Any) -> dict[str, Any] | None:
+    if type(sharded) is not dict or type(sharded.get("components")) is not dict:
+        return None
+    local = sharded.get("rank_local") if type(sharded.get("rank_local")) is dict else {}
+    return {"world_size": sharded.get("world_size"),
+            "components": {n: {k: d.get(k) for k in ("kind", "type", "owner")}
+                           for n, d in sharded["components"].items() if type(d) is dict},
+            "per_rank": list(local.get("components") or [])}
+
+
 def _inspect_lines(report: dict[str, Any], manifest: Any, states: dict[str, Any], layouts: dict[str, Any],
                    shared: dict[str, list[str]]) -> list[str]:
     lines = [f"{report['generation']}  kind={report['kind']}  next_update={report['next_update']}  "
              f"created={report['created']}", f"clocks: {report['clocks']}  counters: {report['counters']}"]
+    if report["sharded"]:
+        sharded = report["sharded"]
+        lines.append(f"saved by {sharded['world_size']} ranks: sharded "
+                     + ", ".join(f"{n} ({d['kind']} {d['type']})" for n, d in sharded["components"].items())
+                     + (f"; per rank: {', '.join(sharded['per_rank'])}" if sharded["per_rank"] else ""))
     if report["parent"]:
         lines.append(f"parent: {report['parent']}")
     if report["shared_bytes"]:  # an incremental generation: files linked from the generations that wrote them

@@ -73,7 +73,8 @@ def owners(state: TrainState) -> dict[str, str]:
 def sharded_state(state: TrainState, *, weights_only: bool = False) -> tuple[dict[str, Any], dict[str, dict]]:
     """The DCP state dict (component -> state dict) and what each sharded component is."""
     modules = state.modules()
-    dcp = {name: get_model_state_dict(module) for name, module in modules.items()}
+    dcp = {name: module.state_dict() if name in state.own_keys else get_model_state_dict(module)
+           for name, module in modules.items()}
     described = {name: {"type": _type_name(module), "kind": "module", "owner": None} for name, module in modules.items()}
     if not weights_only:
         for name, owner in owners(state).items():

@@ -299,8 +299,13 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
     def apply() -> None:
         for component, described in sharded["components"].items():
             if described["kind"] == "module":
-                if not loaded_in_place(state.components[component], templates[component]):
-                    set_model_state_dict(state.components[component], templates[component])
+                module = state.components[component]
+                if loaded_in_place(module, templates[component]):
+                    continue
+                if component in state.own_keys:  # the keys it gave: its own load_state_dict takes them back
+                    module.load_state_dict(templates[component])
+                else:
+                    set_model_state_dict(module, templates[component])
             else:
                 set_optimizer_state_dict(state.components[described["owner"]], state.components[component],
                                          templates[component])

@@ -15,7 +15,7 @@ from .rng import Generator, check_generator
 
 RESERVED = frozenset({"rngs", "contract", "capture_global_rngs"})
 _ATTRIBUTES = frozenset({"components", "next_update", "tokens_seen", "counters", "facts", "history", "pending_gradients",
-                         "parent", "lineage"})
+                         "parent", "lineage", "own_keys"})
 # What torch's LR schedulers write into the param groups they drive: every LRScheduler sets initial_lr;
 # OneCycleLR max_lr and min_lr; CyclicLR and OneCycleLR the momentum bounds; SWALR swa_lr.
 # (ReduceLROnPlateau writes nothing there, so an unregistered one cannot be seen.)
@@ -72,6 +72,9 @@ class TrainState:
         self.history: list[dict[str, Any]] = []
         self.parent: str | None = None  # the generation this state was last restored from or saved as
         self.lineage: list[list] | None = None  # timelines this run descends from (see lifecycle.ancestors)
+        # modules a multi-rank save takes with their own state_dict() and loads with load_state_dict(): the keys
+        # they give (torchtitan's canonical ones, made by state-dict hooks) rather than DCP's parameter paths
+        self.own_keys: set[str] = set()
         self._grads = GradientTracker(
             [c for c in components.values() if isinstance(c, torch.optim.Optimizer)],
             [c for c in components.values() if isinstance(c, torch.amp.GradScaler)])

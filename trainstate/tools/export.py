@@ -27,6 +27,7 @@ The order of one export:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -35,7 +36,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -185,14 +186,51 @@ def plan_files(specs: Mapping[str, Spec], tied: Mapping[str, tuple[str, ...]], t
     return files, index, total
 
 
+class TensorMapping(Protocol):
+    """How an export renames a component's tensors (another framework's layout)."""
+
+    def target(self, name: str, shape: tuple[int, ...]) -> tuple[str, Callable[[torch.Tensor], torch.Tensor] | None] | None:
+        """The output name of the stored tensor ``name`` and a conversion of its values (``None``: its bytes as
+        stored), or ``None`` to leave it out. A conversion keeps the shape and dtype."""
+
+
+def _map(source: Source, mapping: TensorMapping) -> None:
+    """Rename ``source``'s planned tensors in place; the conversions are kept on it for the writer."""
+    specs: dict[str, Spec] = {}
+    tied: dict[str, tuple[str, ...]] = {}
+    for name, spec in source.specs.items():
+        got = mapping.target(name, spec.shape)
+        if got is None:
+            continue
+        new, convert = got
+        if new in specs:
+            raise InvalidArgument(f"the export mapping gives two tensors the name {new!r}")
+        specs[new] = dataclasses.replace(spec, name=new)
+        if convert is not None:
+            source.conversions[new] = convert
+        others = [o for o in source.tied.get(name, ()) if mapping.target(o, spec.shape) is not None]
+        if others:
+            tied[new] = tuple(mapping.target(o, spec.shape)[0] for o in others)
+    source.specs, source.tied = specs, tied
+
+
 def _streamed(source: Source, header: bytes, order: list[str], target: torch.dtype | None
               ) -> Callable[[], Iterator[bytes | memoryview]]:
-    """One weight file's bytes: its header, then each tensor's, read (and cast) a bounded chunk at a time."""
+    """One weight file's bytes: its header, then each tensor's, read (and cast) a bounded chunk at a time (a
+    tensor a mapping converts is read whole, converted, then written)."""
     def chunks() -> Iterator[bytes | memoryview]:
         yield header
         for name in order:
             spec = source.specs[name]
-            yield from source.stream(spec, output_dtype(spec.dtype, target))
+            convert = source.conversions.get(name)
+            if convert is None:
+                yield from source.stream(spec, output_dtype(spec.dtype, target))
+                continue
+            converted = convert(source.read(spec))
+            if converted.shape != spec.shape or converted.dtype != spec.dtype:
+                raise InvalidArgument(f"the export mapping changed {name!r} from {spec.dtype} {list(spec.shape)} to "
+                                      f"{converted.dtype} {list(converted.shape)}; a conversion keeps both")
+            yield tensorfile.byte_view(converted.to(output_dtype(spec.dtype, target)).contiguous())
     return chunks
 
 
@@ -255,7 +293,8 @@ def export(generation_or_run: str | Path, out: str | Path, *, component: str = "
            dtype: str | torch.dtype | None = None, max_shard_size: int | str | None = None,
            include: Iterable[str | Path] = (), hf_config: Any = None,
            signing_key: SigningKey | bytes | str | None = None, storage_options: dict[str, Any] | None = None,
-           ops: PosixOps | None = None, on_bytes: OnBytes | None = None) -> ExportInfo:
+           ops: PosixOps | None = None, on_bytes: OnBytes | None = None,
+           mapping: TensorMapping | Callable[[dict[str, Any]], TensorMapping] | None = None) -> ExportInfo:
     """Write ``component``'s parameters and buffers as safetensors into the new directory ``out``.
 
     ``generation_or_run``: a generation directory, or a run directory (its
@@ -287,6 +326,8 @@ def export(generation_or_run: str | Path, out: str | Path, *, component: str = "
     source = open_source(generation_or_run, component, signing_key, storage_options)
     try:
         key = signing.resolve(signing_key)
+        if mapping is not None:
+            _map(source, mapping if hasattr(mapping, "target") else mapping(source.state))
         return _export(source, out, target, max_bytes, include, hf_config, key, ops, on_bytes)
     finally:
         source.close()

@@ -26,7 +26,7 @@ The order of one read:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,7 @@ class Source:
     component: str
     specs: dict[str, Spec] = field(default_factory=dict)  # kept names, in the module's state-dict order
     tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # kept name -> the names re-tied to it
+    conversions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)  # export mapping
 
     def read(self, spec: Spec) -> torch.Tensor:
         """The full tensor ``spec`` names, assembled from its pieces (each read straight into place)."""
