@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-titan-"))
+    try:
+        run(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # gigabytes of checkpoints
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
     assets = build_assets(root / "assets")
     results: dict[str, list] = {}
     loads = []
