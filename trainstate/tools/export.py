@@ -208,9 +208,9 @@ def _map(source: Source, mapping: TensorMapping) -> None:
         specs[new] = dataclasses.replace(spec, name=new)
         if convert is not None:
             source.conversions[new] = convert
-        others = [o for o in source.tied.get(name, ()) if mapping.target(o, spec.shape) is not None]
+        others = [got[0] for got in (mapping.target(o, spec.shape) for o in source.tied.get(name, ())) if got]
         if others:
-            tied[new] = tuple(mapping.target(o, spec.shape)[0] for o in others)
+            tied[new] = tuple(others)
     source.specs, source.tied = specs, tied
 
 
