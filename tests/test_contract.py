@@ -128,3 +128,94 @@ def test_a_fixed_loader_plan_change_is_never_suggested_as_an_allowed_change():
     assert "allow_changes=['config.lr']" in str(exc)
     assert "'loader.data.seed'" not in str(exc).split("allow_changes=")[1].split("]")[0]
     assert "loader.data.seed cannot change within a run" in str(exc)
+
+
+# The architecture is remembered per module between saves (a large model's state_dict() runs every
+# submodule's hooks at every save); each change below alters the answer and must be seen.
+
+def _tie(m):
+    m[1].weight = m[0].weight
+
+
+def _retie_data(m):  # same Parameter objects, the second now a view of the first's bytes
+    m[1].weight.data = m[0].weight.data
+
+
+def _reshape_data(m):
+    m[0].weight.data = torch.zeros(3, 4)
+
+
+def _new_buffer(m):
+    m[0].register_buffer("shift", torch.zeros(4))
+
+
+def _non_persistent(m):  # the same tensor, no longer in the state dict
+    m[0].register_buffer("scale", m[0].scale, persistent=False)
+
+
+def _rename_hook(m):
+    def hook(module, sd, prefix, local):
+        sd[prefix + "renamed"] = sd.pop(prefix + "bias")
+    m[0]._register_state_dict_hook(hook)
+
+
+def _new_child(m):
+    m.append(torch.nn.Linear(4, 2))
+
+
+def _cast(m):
+    m[0].to(torch.float64)
+
+
+def _materialize(m):
+    m[2].weight.materialize((4, 4))
+
+
+MUTATIONS = [_tie, _retie_data, _reshape_data, _new_buffer, _non_persistent, _rename_hook, _new_child, _cast,
+             _materialize]
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.LazyLinear(4))
+    m[0].register_buffer("scale", torch.ones(4))
+    return m
+
+
+@pytest.mark.parametrize("mutate", MUTATIONS, ids=lambda f: f.__name__)
+def test_remembered_architecture_follows_every_change(mutate):
+    from trainstate.state import contract
+    m = _model()
+    before = contract.architecture(m)
+    assert contract.architecture(m) == before  # remembered
+    mutate(m)
+    fresh = contract._architecture(m)
+    assert fresh != before, "the mutation must change the answer for this test to mean anything"
+    assert contract.architecture(m) == fresh
+
+
+def test_remembered_architecture_control_a_cache_on_the_module_alone_misses_changes(monkeypatch):
+    """Negative control: with the layout reduced to the module's identity, the mutations go unseen."""
+    from trainstate.state import contract
+    monkeypatch.setattr(contract, "_layout", lambda module: (id(module),))
+    missed = []
+    for mutate in MUTATIONS:
+        m = _model()
+        before = contract.architecture(m)
+        mutate(m)
+        if contract.architecture(m) == before:
+            missed.append(mutate.__name__)
+    assert missed == [f.__name__ for f in MUTATIONS]
+
+
+def test_remembered_architecture_is_a_copy_and_skips_custom_state_dicts():
+    from trainstate.state import contract
+
+    class Custom(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"k": 1}
+
+    m = _model()
+    contract.architecture(m)[0][0] = "scribbled"
+    assert contract.architecture(m)[0][0] == "0.weight"
+    assert contract._layout(torch.nn.Sequential(Custom(2, 2))) is None

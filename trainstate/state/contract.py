@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import platform
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -90,7 +91,55 @@ def tie_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
 
 
 def architecture(module: torch.nn.Module) -> list[list]:
-    """``[name, shape, dtype, tied_to]`` for every parameter and buffer in the module's state dict."""
+    """``[name, shape, dtype, tied_to]`` for every parameter and buffer in the module's state dict.
+
+    Computed at every save, so remembered per module while nothing it is made of changes (see
+    :func:`_layout`): a large model's ``state_dict()`` runs every submodule's state-dict hooks (FSDP's
+    among them), milliseconds a blocking save would otherwise pay each time for the same answer."""
+    layout = _layout(module)
+    cached = _ARCHITECTURES.get(module) if layout is not None else None
+    if cached is not None and cached[0] == layout:
+        return [list(entry) for entry in cached[1]]
+    entries = _architecture(module)
+    if layout is not None:
+        _ARCHITECTURES[module] = (layout, [list(entry) for entry in entries])
+    return entries
+
+
+_ARCHITECTURES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, list[list]]]" = weakref.WeakKeyDictionary()
+
+
+def _layout(module: torch.nn.Module) -> tuple | None:
+    """What a module's state dict names, shapes and ties follow from: each submodule (by identity),
+    its parameters and buffers (identity, class, where the bytes are, offset, shape, stride, dtype:
+    what :func:`storage_key` ties by), which buffers are persistent, its children, and its state-dict
+    hooks. None (never remembered)
+    where the answer may follow from something else: a class with its own ``state_dict`` or
+    ``get_extra_state``."""
+    parts: list = []
+    for sub in module.modules():
+        cls = type(sub)
+        if cls.state_dict is not torch.nn.Module.state_dict or cls.get_extra_state is not torch.nn.Module.get_extra_state:
+            return None
+        tensors = []
+        for group in (sub._parameters, sub._buffers):
+            for name, t in group.items():
+                if t is None or is_uninitialized(t):
+                    tensors.append((name, id(t), type(t)))
+                    continue
+                plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+                try:  # a wrapper subclass (DTensor) is tied by identity alone: no storage to ask about
+                    where = t.data_ptr() if plain and t.numel() else None
+                    tensors.append((name, id(t), type(t), where, t.device, t.storage_offset(), tuple(t.shape),
+                                    tuple(t.stride()), t.dtype))
+                except Exception:  # noqa: BLE001 - a tensor type that cannot say where it lives: never remembered
+                    return None
+        parts.append((id(sub), tuple(tensors), tuple(sorted(sub._non_persistent_buffers_set)),
+                      tuple(sub._state_dict_hooks), tuple(sub._state_dict_pre_hooks), tuple(sub._modules)))
+    return tuple(parts)
+
+
+def _architecture(module: torch.nn.Module) -> list[list]:
     tensors = {n: t for n, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     tied_to = {name: names[0] for names in tie_groups(tensors) for name in names[1:]}
     return [[name, None if is_uninitialized(t) else list(t.shape), str(t.dtype).removeprefix("torch."),
