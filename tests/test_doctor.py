@@ -121,3 +121,23 @@ def test_tensors_are_compared_by_their_bits():
     got = tensor_diff(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.5, 3.0]))
     assert (got.differing, got.first_index, got.max_abs) == (1, 1, 0.5)
     assert tensor_diff(torch.zeros(2), torch.zeros(3)).mismatch
+
+
+def test_launch_is_either_or_and_a_job_that_ignores_it_is_named(tmp_path, capsys):
+    """``--launch`` (a multi-rank job's own command) replaces --factory/--step; a command whose checkpointer does
+    not act on the doctor's job exits 0 with no record, and the doctor says so instead of comparing nothing.
+    (The launched doctor at work: tests/test_torchtitan.py.)"""
+    import sys
+
+    import pytest
+
+    fx.write_run(tmp_path / "run", fx.good, 2)
+    with pytest.raises(ts.InvalidArgument, match="not both"):
+        ts.doctor(tmp_path / "run", "doctor_fixtures:good", STEP, launch="python -c pass")
+    with pytest.raises(ts.InvalidArgument, match="launch is empty"):
+        ts.doctor(tmp_path / "run", launch="  ")
+    with pytest.raises(ts.InvalidArgument, match="without a record"):
+        ts.doctor(tmp_path / "run", launch=[sys.executable, "-c", "print('trained')"], repeat=False)
+    with pytest.raises(SystemExit):
+        main(["doctor", str(tmp_path / "run")])  # neither: argparse's usage error
+    assert "--launch CMD" in capsys.readouterr().err

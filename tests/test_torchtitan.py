@@ -19,7 +19,10 @@ shared by the tests through module fixtures:
   passes over it, resumes from the step before, calls neither pickle nor
   ``torch.load`` while loading, and trains the same losses again;
 - resharding: FSDP2 x TP at 4 ranks, restored at 2 (FSDP2): model,
-  optimizer and scheduler bitwise.
+  optimizer and scheduler bitwise;
+- the doctor: ``trainstate doctor RUN@4 --launch CMD`` runs the job's own
+  torchrun line per role and finds nothing on every rank; its control (torch
+  seeded again after the restore) is named at the first draws.
 
 Knobs: ``TRAINSTATE_TITAN_KILLS`` (default 2), ``TRAINSTATE_KILL_SEED``.
 """
@@ -38,8 +41,9 @@ pytest.importorskip("torchtitan")
 
 import trainstate as ts  # noqa: E402
 from titan_harness import (build_assets, checkpoint_flags, kill_titan, launch_titan, losses, start_titan,  # noqa: E402
-                           titan_args, wait_for_step)
+                           titan_args, titan_command, wait_for_step)
 from trainstate import cli  # noqa: E402
+from trainstate.tools.doctor import render  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -187,6 +191,45 @@ def test_the_tools_read_a_torchtitan_run(drill, capsys):
             assert said["clocks"]["next_update"] == STEPS, said
         if command[0] == "diff":
             assert said["first"] is not None  # two updates apart: the model moved
+
+
+DOCTOR_AT = 4
+
+
+def _doctor_command(assets, out: Path, **env: str) -> list[str]:
+    return titan_command(out, _args(out, assets, out / "unused"), env={**ENV, **env})
+
+
+def test_the_doctor_replays_a_torchtitan_resume_on_every_rank(assets, reference, tmp_path, capsys):
+    """Three launches of the job's own command: step 5 restored twice from the reference run's step 4, and
+    replayed from the start: every stage identical on both ranks, the run directory untouched."""
+    out, _ = reference
+    run = out / "run"
+    before = sorted(p.name for p in run.iterdir())
+    command = _doctor_command(assets, tmp_path / "launch")
+    code = cli.main(["doctor", f"{run}@{DOCTOR_AT}", "--launch", " ".join(command), "--timeout", "300", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    assert report["identical"] and report["reproducible"] is True and report["first"] is None, report["diagnosis"]
+    assert report["update"] == DOCTOR_AT
+    stages = {c["name"]: c for c in report["stages"]}
+    assert stages["state"]["tensors"] > 0 and stages["updated"]["tensors"] > 0
+    for stage, least in (("batch", 2), ("rng", 6), ("loss", 2), ("grads", 2), ("lr", 4)):
+        assert stages[stage]["tensors"] >= least, (stage, stages[stage])  # both ranks recorded it
+    assert "rng.torch_cpu" in " ".join(report["drawn"]["resumed"]), report["drawn"]  # the dropout draws
+    assert sorted(p.name for p in run.iterdir()) == before  # the doctor wrote nothing into the run
+
+
+def test_control_the_doctor_names_a_reseeded_stream_at_its_first_draws(assets, reference, tmp_path):
+    """Negative control: the resumed launch seeds torch again after the restore (as a checkpointer without RNG
+    state would): the state restored is identical, the first draws are not, and the doctor says so."""
+    out, _ = reference
+    command = _doctor_command(assets, tmp_path / "launch", TITAN_RESEED_AFTER_LOAD="1")
+    report = ts.doctor(f"{out / 'run'}@{DOCTOR_AT}", launch=command, repeat=False, timeout_s=300)
+    assert not report.identical and report.first == "rng", render(report)
+    paths = [e.path for e in report.stage("rng").entries]
+    assert "torch_cpu[rank0]" in paths and "torch_cpu[rank1]" in paths, paths
+    assert "not in the checkpoint" in report.diagnosis
 
 
 def _hf_config(assets) -> dict:

@@ -213,6 +213,16 @@ def start_titan(out: Path, args: list[str], *, ranks: int = 2, env: dict | None 
     return proc, marker
 
 
+def titan_command(out: Path, args: list[str], *, ranks: int = 2, env: dict | None = None) -> list[str]:
+    """The torchrun command line ``start_titan`` runs, as one self-contained command (``env K=V ... python -m
+    torch.distributed.run ...``): for ``trainstate doctor --launch``, which runs it once per role."""
+    environment = _environment(Path(out), args, env, f"{_MARKER}=trainstate-titan-doctor-{uuid.uuid4().hex[:12]}")
+    settings = [f"{k}={v}" for k, v in environment.items() if os.environ.get(k) != v]
+    return ["env", *settings, sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--monitor-interval=0.5",
+            str(LAUNCHER), *args]
+
+
 def kill_titan(proc: subprocess.Popen, marker: str) -> None:
     """SIGKILL torchrun and every rank (whatever session it is in), and reap torchrun."""
     kill_launch([proc], marker)

@@ -23,11 +23,16 @@ Patches (each applied before torchtitan builds anything):
 5. ``torch.distributed.set_timeout`` (absent from this torch): alias
    ``distributed_c10d._set_pg_timeout``.
 6. triton must import (checked up front, so a missing one fails clearly).
+7. time: rank 0 sleeps 2 s after the last step "for other ranks to complete";
+   every rank here ends in ``os._exit`` after torchtitan returns, so the sleep
+   is skipped (``torchtitan.trainer`` sees a ``time`` whose ``sleep`` returns
+   at once; ``perf_counter`` is the real one). Saves 2 s per launch.
 
 Test hooks: ``TITAN_PICKLE_AUDIT`` counts pickle and ``torch.load`` calls made
 while a checkpointer loads; ``TITAN_SAVE_AFTER_LOAD`` saves what trainstate's
-checkpointer loaded into a second run directory; ``TITAN_TIMINGS`` records how
-long training waits for the checkpointer (see each function).
+checkpointer loaded into a second run directory; ``TITAN_RESEED_AFTER_LOAD``
+seeds torch again after a restore (the doctor's control); ``TITAN_TIMINGS``
+records how long training waits for the checkpointer (see each function).
 
 Loss record: with ``TITAN_RECORD`` set, each rank appends one JSON line per
 logged step to ``$TITAN_RECORD/losses-rank{rank}.jsonl``:
@@ -250,6 +255,25 @@ def _patch_save_after_load() -> None:
     TrainStateCheckpointer._load = _load
 
 
+def _patch_reseed_after_load() -> None:
+    """``TITAN_RESEED_AFTER_LOAD=1``: after trainstate's checkpointer restored a generation, seed torch's CPU
+    generator again (what a checkpointer that saves no RNG amounts to): the negative control of the doctor."""
+    if not os.environ.get("TITAN_RESEED_AFTER_LOAD"):
+        return
+    import torch
+    from trainstate.integrations.torchtitan import TrainStateCheckpointer
+
+    original = TrainStateCheckpointer._load
+
+    def _load(self, step=-1):
+        loaded = original(self, step)
+        if loaded:
+            torch.manual_seed(12345)
+        return loaded
+
+    TrainStateCheckpointer._load = _load
+
+
 def _patch_timings() -> None:
     """``TITAN_TIMINGS=DIR``: how long training waits for the checkpointer (stock or trainstate's), one JSON line
     per call into ``DIR/timings-rank{r}.jsonl``: ``load``; ``save`` (a call that saved, with its step; for an
@@ -286,6 +310,17 @@ def _patch_timings() -> None:
     BaseCheckpointManager.close = timed("close", BaseCheckpointManager.close)
 
 
+def _patch_end_sleep() -> None:
+    import time
+    import types
+
+    import torchtitan.trainer
+
+    quick = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    quick.sleep = lambda seconds: None  # patch 7: the only sleep in trainer.py is the 2 s at the end of train()
+    torchtitan.trainer.time = quick
+
+
 def apply_patches() -> None:
     import triton  # noqa: F401  (patch 6: inductor/flex imports need it; fail here, clearly, if missing)
 
@@ -294,9 +329,11 @@ def apply_patches() -> None:
     _patch_attention()
     _patch_fsdp()
     _patch_set_timeout()
+    _patch_end_sleep()
     _patch_loss_record()
     _patch_load_audit()
     _patch_save_after_load()
+    _patch_reseed_after_load()
     _patch_timings()
 
 

@@ -74,6 +74,7 @@ from ..lifecycle import incremental
 from ..lifecycle.retention import Retention
 from ..manager import CheckpointManager
 from ..state.train_state import TrainState
+from ..tools import doctorjob
 
 __all__ = ["HFMapping", "TrainStateCheckpointer", "hf_mapping", "with_trainstate"]
 
@@ -262,13 +263,24 @@ class TrainStateCheckpointer(BaseCheckpointManager):
         self.sd_adapter = sd_adapter
         self.trainer = states.get(TRAIN_STATE)
         self.state = self._train_state(dataloader, model_parts, optimizers, lr_schedulers, states)
-        self.ckpt = CheckpointManager(
-            self.folder, **_retention(config.keep_latest_k), verify=config.verify, full_every=config.full_every,
-            replicas=config.replicas, failure_domain=config.failure_domain, mirror=config.mirror,
-            mirror_every=config.mirror_every, collective_timeout_s=config.collective_timeout_s)
+        self.doctor = doctorjob.Job.from_env()  # a `trainstate doctor --launch` role: see _doctor_load
+        if self.doctor is None:
+            self.ckpt = self._manager(self.folder)
+        else:  # the role writes its own directory only, never the run's
+            self.ckpt = CheckpointManager(self.doctor.gens, full_every=None,
+                                          collective_timeout_s=config.collective_timeout_s)
+            self._launched = doctorjob.Launched(self.doctor, self.state, lambda: self.ckpt.save(self.state),
+                                                loss_owner=self.trainer)
         self.restored = None  # the RestoreInfo of the load, for the caller and the tests
         log.info("trainstate checkpointing to %s (every %d steps, %s)", self.folder, config.interval,
                  "background" if self._background else "blocking")
+
+    def _manager(self, folder: str) -> CheckpointManager:
+        config = self.config
+        return CheckpointManager(
+            folder, **_retention(config.keep_latest_k), verify=config.verify, full_every=config.full_every,
+            replicas=config.replicas, failure_domain=config.failure_domain, mirror=config.mirror,
+            mirror_every=config.mirror_every, collective_timeout_s=config.collective_timeout_s)
 
     # the state ----------------------------------------------------------------
     def _train_state(self, dataloader: Any, model_parts: list[torch.nn.Module], optimizers: Any,
@@ -320,6 +332,8 @@ class TrainStateCheckpointer(BaseCheckpointManager):
 
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self.doctor is not None:
+            return self._doctor_save(curr_step)
         if not self._should_save(curr_step, last_step):
             return False
         self._clocks_from_trainer()
@@ -337,6 +351,8 @@ class TrainStateCheckpointer(BaseCheckpointManager):
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
+        if self.doctor is not None:
+            return self._doctor_load()
         generation = None
         if step != -1:
             named = [g for g in self.ckpt.generations() if _step_of(g) == step]
@@ -354,6 +370,50 @@ class TrainStateCheckpointer(BaseCheckpointManager):
             self.trainer.step = self.state.next_update
         log.info("resumed from %s (step %d)", info.generation.name, self.state.next_update)
         return True
+
+    # a `trainstate doctor --launch` role (trainstate.tools.doctorjob) -------------
+    def _doctor_load(self) -> bool:
+        """Reach the role's update: restore its generation (read from the run, or the reference run, through a
+        manager that only reads), or start fresh to train up to it."""
+        job, restored = self.doctor, False
+        try:
+            if job.source is not None:
+                source = self._manager(job.run)
+                try:
+                    self.restored = source.restore(self.state, generation=job.source,
+                                                   allow_changes=self.config.allow_changes)
+                finally:
+                    source.close()
+                restored = self.restored is not None
+                if self.trainer is not None:
+                    self.trainer.step = self.state.next_update
+            self._clocks_from_trainer()
+            if self.state.next_update > job.update:
+                raise InvalidArgument(f"the doctor's {job.role} process starts at step {self.state.next_update}, "
+                                      f"after step {job.update}")
+            if self.state.next_update == job.update:
+                self._launched.begin()
+        except BaseException as exc:
+            doctorjob.fail(job, exc)
+            raise
+        return restored
+
+    def _doctor_save(self, curr_step: int) -> bool:
+        """Nothing is saved on the way to the update; at it, the recorder starts; after it, the role ends."""
+        try:
+            self._clocks_from_trainer()
+            if self.trainer is None:
+                self.state.next_update = curr_step
+            if curr_step == self.doctor.update:
+                self._launched.begin()
+            elif curr_step == self.doctor.update + 1:
+                self._launched.end()
+                self.ckpt.close()
+                doctorjob.finish()
+        except BaseException as exc:
+            doctorjob.fail(self.doctor, exc)
+            raise
+        return False
 
     def _initial_load(self) -> bool:
         """A fresh run: nothing to load (``initial_load_path`` is refused by the config)."""

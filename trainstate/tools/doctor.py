@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,6 +61,7 @@ from safetensors import safe_open
 from ..errors import InvalidArgument
 from ..format.manifest import parse_generation_name
 from .diff import Category, DiffReport, Entry, _finite, diff
+from . import doctorjob
 from .diffread import TensorDiff, _Accumulator, resolve
 
 STAGES = ("contract", "state", "batch", "rng", "lr", "loss", "grads", "updated")
@@ -76,8 +79,8 @@ class Record:
     tensors: dict[str, torch.Tensor]
     values: dict[str, str]
     notes: list[str]
-    before: Path
-    after: Path
+    before: Path | str  # a generation: its directory, or RUN@UPDATE (a launched role's)
+    after: Path | str
     streams: dict[str, bool] = field(default_factory=dict)  # RNG stream -> whether the update drew from it
 
 
@@ -385,6 +388,43 @@ def _environment() -> dict[str, str]:
     return env
 
 
+def _launch_roles(jobs: list[dict[str, Any]], work: Path, launch: str | list[str], timeout_s: float | None) -> None:
+    """Each role runs the job's own command (one ``torchrun`` launch, every rank), one role after another: two
+    launches at once would compete for the rendezvous port and the cores."""
+    command = shlex.split(launch) if isinstance(launch, str) else [str(a) for a in launch]
+    for job in jobs:
+        spec = work / f"{job['role']}.json"
+        spec.write_text(json.dumps(job))
+        env = dict(_environment(), **{doctorjob.ENV: str(spec)})
+        with open(work / f"{job['role']}.log", "wb") as log:
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired as exc:
+                raise InvalidArgument(f"the {job['role']} launch ran longer than {timeout_s} s; raise timeout_s"
+                                      ) from exc
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        records = sorted(Path(job["out"]).glob("record-rank*.safetensors"))
+        if code or not records:
+            raise InvalidArgument(f"the {job['role']} launch failed: {_launch_failure(work, job, code, records)}")
+
+
+def _launch_failure(work: Path, job: dict[str, Any], code: int, records: list[Path]) -> str:
+    errors = sorted(Path(job["out"]).glob("error-rank*.json"))
+    if errors:
+        data = json.loads(errors[0].read_text())
+        return f"{data['type']}: {data['message']} ({errors[0].stem.removeprefix('error-')})"
+    log = (work / f"{job['role']}.log").read_bytes().decode(errors="replace")
+    if not code and not records:
+        return ("it exited 0 without a record: the job's checkpointer did not act on the doctor's job (a "
+                f"trainstate integration that supports --launch: torchtitan's), or never reached step "
+                f"{job['update'] + 1}. Its output ends: {log[-1200:]}")
+    return f"exit status {code}: {log[-1500:]}"
+
+
 def _run_children(jobs: list[dict[str, Any]], work: Path, timeout_s: float | None) -> None:
     env, running = _environment(), []
     try:
@@ -416,6 +456,29 @@ def _failure(work: Path, job: dict[str, Any], code: int) -> str:
     return f"exit status {code}: {log[-1500:]}"
 
 
+def _read_launched(job: dict[str, Any]) -> Record:
+    """The ranks' records as one: each name marked with its rank after the stage (``grads/model.w[rank1]``),
+    a stream drawn from when any rank drew from it, the state before and after as the role's two generations."""
+    out = Path(job["out"])
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, str] = {}
+    notes: list[str] = []
+    streams: dict[str, bool] = {}
+    for path in sorted(out.glob("record-rank*.safetensors"), key=lambda p: int(p.stem.removeprefix("record-rank"))):
+        rank = path.stem.removeprefix("record-")
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["doctor"])
+            for name in meta["order"]:
+                tensors[f"{name}[{rank}]"] = f.get_tensor(name)
+        values.update({f"{name}[{rank}]": value for name, value in meta["values"].items()})
+        notes += [n for n in meta["notes"] if n not in notes]
+        for stream, moved in meta.get("streams", {}).items():
+            streams[stream] = streams.get(stream, False) or moved
+    gens = out / "gens"
+    return Record(job["role"], tensors, values, notes, f"{gens}@{job['update']}", f"{gens}@{job['update'] + 1}",
+                  streams)
+
+
 def _read(job: dict[str, Any]) -> Record:
     out = Path(job["out"])
     tensors, path = {}, str(out / "record.safetensors")
@@ -427,8 +490,9 @@ def _read(job: dict[str, Any]) -> Record:
                   meta.get("streams", {}))
 
 
-def doctor(run: str | Path, factory: str, step: str, *, against: str | Path | None = None,
-           replay_from: str | int = "start", repeat: bool = True, timeout_s: float | None = None) -> DoctorReport:
+def doctor(run: str | Path, factory: str | None = None, step: str | None = None, *, launch: str | list[str] | None = None,
+           against: str | Path | None = None, replay_from: str | int = "start", repeat: bool = True,
+           timeout_s: float | None = None) -> DoctorReport:
     """Run update k of ``run``'s newest full generation in fresh processes and find the first stage that differs.
 
     ``factory`` and ``step`` are ``"module:function"``: the factory returns a
@@ -440,8 +504,21 @@ def doctor(run: str | Path, factory: str, step: str, *, against: str | Path | No
     generation of ``run`` (its update or name). ``repeat=False`` skips the
     second fresh restore (one process fewer; ``reproducible`` is then
     ``None``). See the module docstring.
+
+    ``launch``, instead of ``factory`` and ``step``: a multi-rank job's own
+    command (``torchrun ...``, a string split as a shell would, or a list),
+    run once per role with ``TRAINSTATE_DOCTOR`` set; the job's trainstate
+    checkpointer does the recording on every rank
+    (:mod:`trainstate.tools.doctorjob`; torchtitan's
+    :class:`~trainstate.integrations.torchtitan.TrainStateCheckpointer`).
+    Every observation is compared rank by rank.
     """
-    for what, spec in (("factory", factory), ("step", step)):
+    if launch is not None:
+        if factory is not None or step is not None:
+            raise InvalidArgument("give either launch (a multi-rank job's command) or factory and step, not both")
+        if not (shlex.split(launch) if isinstance(launch, str) else list(launch)):
+            raise InvalidArgument("launch is empty: give the job's command, e.g. 'torchrun --nproc-per-node 2 ...'")
+    for what, spec in () if launch is not None else (("factory", factory), ("step", step)):
         module, sep, attr = str(spec).partition(":")
         if not (module and sep and attr):
             raise InvalidArgument(f"{what} {spec!r} must look like 'module:function' (importable from the working "
@@ -450,8 +527,12 @@ def doctor(run: str | Path, factory: str, step: str, *, against: str | Path | No
         work = Path(tmp)
         jobs, generation, update, described = _jobs(str(run), factory, step, None if against is None else str(against),
                                                     replay_from, repeat, work)
-        _run_children(jobs, work, timeout_s)
-        records = [_read(j) for j in jobs]
+        if launch is None:
+            _run_children(jobs, work, timeout_s)
+            records = [_read(j) for j in jobs]
+        else:
+            _launch_roles(jobs, work, launch, timeout_s)
+            records = [_read_launched(j) for j in jobs]
         resumed, reference = records[0], records[-1]
         stages, unused = compare(resumed, reference)
         again, unused_again = compare(resumed, records[1]) if repeat else (None, {})

@@ -106,13 +106,13 @@ class Recorder:
                 if p.grad is None:
                     self.values[where] = "no gradient"
                 else:
-                    self.tensors[where] = p.grad.detach().cpu().clone()
+                    self.tensors[where] = local(p.grad).detach().cpu().clone()
         return hook
 
     def add(self, name: str, value: Any) -> None:
         """A batch or input, flattened: tensors (and arrays) by path, anything else by its repr."""
         if isinstance(value, torch.Tensor):
-            self.tensors[name] = value.detach().cpu().clone().contiguous()
+            self.tensors[name] = local(value).detach().cpu().clone().contiguous()
         elif isinstance(value, np.ndarray) and value.dtype != object:
             self.tensors[name] = torch.from_numpy(np.ascontiguousarray(value).copy())
         elif isinstance(value, (list, tuple)):
@@ -123,6 +123,12 @@ class Recorder:
                 self.add(f"{name}.{key}", item)
         else:
             self.values[name] = repr(value)[:1000]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a distributed tensor (a DTensor's local shard); any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def lrs(optimizer: torch.optim.Optimizer) -> torch.Tensor:
