@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,6 +113,15 @@ def _invocations(text: str) -> list[str]:
     return found
 
 
+def _words(command: str) -> list[str]:
+    """A command line's words as a shell splits them: a quoted argument (``--launch "torchrun ... --config x"``)
+    is one word, its flags not trainstate's."""
+    try:
+        return shlex.split(command)
+    except ValueError:  # an unbalanced quote in prose-like code: plain words
+        return command.split()
+
+
 def check_cli(pages: dict[str, str], parser: argparse.ArgumentParser, cli_page: str = "cli.md") -> list[str]:
     """What the site says about the command line that the parser contradicts; empty when they agree.
 
@@ -130,7 +140,7 @@ def check_cli(pages: dict[str, str], parser: argparse.ArgumentParser, cli_page: 
     errors += [f"{cli_page}: <!-- cli: {n} --> names no command" for n in sorted(set(marks) - set(commands))]
     for page, text in sorted(pages.items()):
         for line in _invocations(text):
-            words = line.split("#", 1)[0].split("|", 1)[0].split()
+            words = _words(line.split("#", 1)[0].split("|", 1)[0])
             words = words[: words.index("--")] if "--" in words else words  # after `--`: the child's arguments
             name = words[1] if len(words) > 1 else ""
             if name.startswith("-"):  # `trainstate --help`

@@ -31,6 +31,10 @@ holds (a factory that seeds torch but not ``random`` leaves Python's stream to O
 differences, in the state and the first draws alike, are set apart in ``DoctorReport.unused`` and decide
 nothing. A stream that one of them drew from is compared as everything else is.
 
+The roles are run, and their records read, by :mod:`trainstate.tools.doctorroles`: fresh processes, or,
+for a multi-rank job (``launch=``), its own command once per role, recorded on every rank by the job's
+checkpointer (:mod:`trainstate.tools.doctorjob`). This module compares them (pure) and gives the verdict.
+
 Tensors are compared by their bits (``-0.0`` differs from ``0.0``), and each
 difference is reported as measured: how many elements, the first index, the
 largest absolute and relative difference. The diagnosis names what the first
@@ -43,12 +47,7 @@ differing stage points to; it never infers a cause from the size of a difference
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
-import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -56,32 +55,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ..errors import InvalidArgument
-from ..format.manifest import parse_generation_name
+from . import doctorroles as roles
 from .diff import Category, DiffReport, Entry, _finite, diff
-from . import doctorjob
-from .diffread import TensorDiff, _Accumulator, resolve
+from .diffread import TensorDiff, _Accumulator
+from .doctorroles import Record
 
 STAGES = ("contract", "state", "batch", "rng", "lr", "loss", "grads", "updated")
 _TITLES = {"contract": "contract and history", "state": "state before the update",
            "batch": "next batch (sample ids and bytes) and model inputs", "rng": "first draws of every RNG stream",
            "lr": "LR of each param group (used, and after the update)", "loss": "loss",
            "grads": "gradients at optimizer.step()", "updated": "state after the update"}
-
-
-@dataclass(frozen=True)
-class Record:
-    """What one process saw and did in update k: observations by name, and its before/after generations."""
-
-    role: str
-    tensors: dict[str, torch.Tensor]
-    values: dict[str, str]
-    notes: list[str]
-    before: Path | str  # a generation: its directory, or RUN@UPDATE (a launched role's)
-    after: Path | str
-    streams: dict[str, bool] = field(default_factory=dict)  # RNG stream -> whether the update drew from it
 
 
 @dataclass(frozen=True)
@@ -333,163 +318,6 @@ def _marked(stage: Category, apart: dict[str, list[Entry]]) -> Category:
     return Category(stage.name, summary, stage.entries, stage.tensors)
 
 
-# processes -------------------------------------------------------------------------------------------------
-def _full_generation(store: Any, update: int, where: str) -> str:
-    found = sorted(g for g in store.generations() if (parse_generation_name(g) or (None, None)) == (update, "full"))
-    if not found:
-        have = sorted({p[0] for g in store.generations() if (p := parse_generation_name(g)) and p[1] == "full"})
-        raise InvalidArgument(f"{where} has no full generation at update {update} (it has: {have or 'none'}); "
-                              "the reference must hold the same update")
-    return found[-1]
-
-
-def _jobs(run: str, factory: str, step: str, against: str | None, replay_from: str | int, repeat: bool,
-          work: Path) -> tuple[list[dict[str, Any]], str, int, str]:
-    store, generation = resolve(run)
-    parsed = parse_generation_name(generation)
-    if parsed is None or parsed[1] != "full":
-        raise InvalidArgument(f"{run}: {generation} is not a full generation; the doctor resumes from one")
-    update = parsed[0]
-    base = {"factory": factory, "step": step, "update": update, "replay_from": None}
-    roles = ("resumed", "repeat") if repeat else ("resumed",)
-    jobs = [dict(base, role=r, run=store.location, generation=generation) for r in roles]
-    if against is not None:
-        other, _ = resolve(against)
-        reference = dict(base, role="reference", run=other.location,
-                         generation=_full_generation(other, update, against))
-        described = f"the uninterrupted run's {reference['generation']} in {other.location}"
-    else:
-        start = "start" if replay_from == "start" else _replay_start(store, replay_from, update)
-        reference = dict(base, role="reference", run=store.location, generation=None, replay_from=start)
-        described = ("an uninterrupted replay from the factory's fresh state (update 0)" if start == "start"
-                     else f"an uninterrupted replay from {start}")
-    jobs.append(reference)
-    for job in jobs:
-        job["out"] = str(work / job["role"])
-        Path(job["out"]).mkdir()
-    return jobs, generation, update, described
-
-
-def _replay_start(store: Any, replay_from: str | int, update: int) -> str:
-    text = str(replay_from)
-    start = parse_generation_name(text)[0] if parse_generation_name(text) else int(text) if text.isdigit() else None
-    if start is None:
-        raise InvalidArgument(f"replay_from={replay_from!r}: give 'start', an update number or a generation name")
-    if start > update:
-        raise InvalidArgument(f"replay_from={replay_from!r} is after update {update}, the update being diagnosed")
-    return _full_generation(store, start, store.location)
-
-
-def _environment() -> dict[str, str]:
-    """The children import what this process can: its working directory and its sys.path."""
-    env = dict(os.environ)
-    paths = [os.getcwd()] + [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    return env
-
-
-def _launch_roles(jobs: list[dict[str, Any]], work: Path, launch: str | list[str], timeout_s: float | None) -> None:
-    """Each role runs the job's own command (one ``torchrun`` launch, every rank), one role after another: two
-    launches at once would compete for the rendezvous port and the cores."""
-    command = shlex.split(launch) if isinstance(launch, str) else [str(a) for a in launch]
-    for job in jobs:
-        spec = work / f"{job['role']}.json"
-        spec.write_text(json.dumps(job))
-        env = dict(_environment(), **{doctorjob.ENV: str(spec)})
-        with open(work / f"{job['role']}.log", "wb") as log:
-            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                code = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired as exc:
-                raise InvalidArgument(f"the {job['role']} launch ran longer than {timeout_s} s; raise timeout_s"
-                                      ) from exc
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-        records = sorted(Path(job["out"]).glob("record-rank*.safetensors"))
-        if code or not records:
-            raise InvalidArgument(f"the {job['role']} launch failed: {_launch_failure(work, job, code, records)}")
-
-
-def _launch_failure(work: Path, job: dict[str, Any], code: int, records: list[Path]) -> str:
-    errors = sorted(Path(job["out"]).glob("error-rank*.json"))
-    if errors:
-        data = json.loads(errors[0].read_text())
-        return f"{data['type']}: {data['message']} ({errors[0].stem.removeprefix('error-')})"
-    log = (work / f"{job['role']}.log").read_bytes().decode(errors="replace")
-    if not code and not records:
-        return ("it exited 0 without a record: the job's checkpointer did not act on the doctor's job (a "
-                f"trainstate integration that supports --launch: torchtitan's), or never reached step "
-                f"{job['update'] + 1}. Its output ends: {log[-1200:]}")
-    return f"exit status {code}: {log[-1500:]}"
-
-
-def _run_children(jobs: list[dict[str, Any]], work: Path, timeout_s: float | None) -> None:
-    env, running = _environment(), []
-    try:
-        for job in jobs:
-            spec = work / f"{job['role']}.json"
-            spec.write_text(json.dumps(job))
-            with open(work / f"{job['role']}.log", "wb") as log:
-                running.append(subprocess.Popen([sys.executable, "-m", "trainstate.tools.doctorrun", str(spec)],
-                                                env=env, stdout=log, stderr=subprocess.STDOUT))
-        for job, proc in zip(jobs, running):
-            code = proc.wait(timeout=timeout_s)
-            if code:
-                raise InvalidArgument(f"the {job['role']} process failed: {_failure(work, job, code)}")
-    except subprocess.TimeoutExpired as exc:
-        raise InvalidArgument(f"a doctor process ran longer than {timeout_s} s; raise timeout_s") from exc
-    finally:
-        for proc in running:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-def _failure(work: Path, job: dict[str, Any], code: int) -> str:
-    error = Path(job["out"]) / "error.json"
-    if error.exists():
-        data = json.loads(error.read_text())
-        return f"{data['type']}: {data['message']}"
-    log = (work / f"{job['role']}.log").read_bytes().decode(errors="replace")
-    return f"exit status {code}: {log[-1500:]}"
-
-
-def _read_launched(job: dict[str, Any]) -> Record:
-    """The ranks' records as one: each name marked with its rank after the stage (``grads/model.w[rank1]``),
-    a stream drawn from when any rank drew from it, the state before and after as the role's two generations."""
-    out = Path(job["out"])
-    tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, str] = {}
-    notes: list[str] = []
-    streams: dict[str, bool] = {}
-    for path in sorted(out.glob("record-rank*.safetensors"), key=lambda p: int(p.stem.removeprefix("record-rank"))):
-        rank = path.stem.removeprefix("record-")
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads(f.metadata()["doctor"])
-            for name in meta["order"]:
-                tensors[f"{name}[{rank}]"] = f.get_tensor(name)
-        values.update({f"{name}[{rank}]": value for name, value in meta["values"].items()})
-        notes += [n for n in meta["notes"] if n not in notes]
-        for stream, moved in meta.get("streams", {}).items():
-            streams[stream] = streams.get(stream, False) or moved
-    gens = out / "gens"
-    return Record(job["role"], tensors, values, notes, f"{gens}@{job['update']}", f"{gens}@{job['update'] + 1}",
-                  streams)
-
-
-def _read(job: dict[str, Any]) -> Record:
-    out = Path(job["out"])
-    tensors, path = {}, str(out / "record.safetensors")
-    with safe_open(path, framework="pt") as f:
-        meta = json.loads(f.metadata()["doctor"])
-        for name in meta["order"]:
-            tensors[name] = f.get_tensor(name)
-    return Record(job["role"], tensors, meta["values"], meta["notes"], out / "before", out / "after",
-                  meta.get("streams", {}))
-
-
 def doctor(run: str | Path, factory: str | None = None, step: str | None = None, *, launch: str | list[str] | None = None,
            against: str | Path | None = None, replay_from: str | int = "start", repeat: bool = True,
            timeout_s: float | None = None) -> DoctorReport:
@@ -525,14 +353,14 @@ def doctor(run: str | Path, factory: str | None = None, step: str | None = None,
                                   "directory)")
     with tempfile.TemporaryDirectory(prefix="trainstate-doctor-") as tmp:
         work = Path(tmp)
-        jobs, generation, update, described = _jobs(str(run), factory, step, None if against is None else str(against),
+        jobs, generation, update, described = roles.jobs(str(run), factory, step, None if against is None else str(against),
                                                     replay_from, repeat, work)
         if launch is None:
-            _run_children(jobs, work, timeout_s)
-            records = [_read(j) for j in jobs]
+            roles.run_children(jobs, work, timeout_s)
+            records = [roles.read(j) for j in jobs]
         else:
-            _launch_roles(jobs, work, launch, timeout_s)
-            records = [_read_launched(j) for j in jobs]
+            roles.launch_roles(jobs, work, launch, timeout_s)
+            records = [roles.read_launched(j) for j in jobs]
         resumed, reference = records[0], records[-1]
         stages, unused = compare(resumed, reference)
         again, unused_again = compare(resumed, records[1]) if repeat else (None, {})
