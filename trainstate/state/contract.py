@@ -113,9 +113,8 @@ def _layout(module: torch.nn.Module) -> tuple | None:
     """What a module's state dict names, shapes and ties follow from: each submodule (by identity),
     its parameters and buffers (identity, class, where the bytes are, offset, shape, stride, dtype:
     what :func:`storage_key` ties by), which buffers are persistent, its children, and its state-dict
-    hooks. None (never remembered)
-    where the answer may follow from something else: a class with its own ``state_dict`` or
-    ``get_extra_state``."""
+    hooks. None (never remembered) where the answer may follow from something else: a class with its own
+    ``state_dict`` or ``get_extra_state``."""
     parts: list = []
     for sub in module.modules():
         cls = type(sub)

@@ -85,7 +85,7 @@ class Launched:
         self._losses: list[torch.Tensor] = []
         self._draws: dict[str, torch.Tensor] = {}
         self._streams: dict[str, str] = {}
-        self._caught: list[str] = []
+        self.notes: list[str] = []  # what the role's restore warned about (a ContinuationWarning), for the report
         self.rank = _rank()
 
     def begin(self) -> None:
@@ -125,7 +125,7 @@ class Launched:
             recorder.add(f"loss/value.{i}" if len(self._losses) > 1 else "loss/value", loss)
         tensors = {**self._draws, **recorder.tensors}
         meta = {"role": self.job.role, "update": self.job.update, "rank": self.rank, "values": recorder.values,
-                "notes": self._caught, "streams": drawn, "order": list(tensors)}
+                "notes": self.notes, "streams": drawn, "order": list(tensors)}
         path = self.job.out / f"record-rank{self.rank}.safetensors"
         save_file(tensors, str(path), metadata={"doctor": json.dumps(meta)})
 

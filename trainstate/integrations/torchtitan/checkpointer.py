@@ -114,12 +114,12 @@ class TrainStateCheckpointer(BaseCheckpointManager):
         log.info("trainstate checkpointing to %s (every %d steps, %s)", self.folder, config.interval,
                  "background" if self._background else "blocking")
 
-    def _manager(self, folder: str) -> CheckpointManager:
+    def _manager(self, folder: str, **overrides: Any) -> CheckpointManager:
         config = self.config
-        return CheckpointManager(
-            folder, **_retention(config.keep_latest_k), verify=config.verify, full_every=config.full_every,
-            replicas=config.replicas, failure_domain=config.failure_domain, mirror=config.mirror,
-            mirror_every=config.mirror_every, collective_timeout_s=config.collective_timeout_s)
+        options = dict(_retention(config.keep_latest_k), verify=config.verify, full_every=config.full_every,
+                       replicas=config.replicas, failure_domain=config.failure_domain, mirror=config.mirror,
+                       mirror_every=config.mirror_every, collective_timeout_s=config.collective_timeout_s)
+        return CheckpointManager(folder, **{**options, **overrides})
 
     # the state ----------------------------------------------------------------
     def _train_state(self, dataloader: Any, model_parts: list[torch.nn.Module], optimizers: Any,
@@ -217,13 +217,14 @@ class TrainStateCheckpointer(BaseCheckpointManager):
         job, restored = self.doctor, False
         try:
             if job.source is not None:
-                source = self._manager(job.run)
+                source = self._manager(job.run, mirror=None)  # no uploader: nothing is written to the run's remote
                 try:
                     self.restored = source.restore(self.state, generation=job.source,
                                                    allow_changes=self.config.allow_changes)
                 finally:
                     source.close()
                 restored = self.restored is not None
+                self._launched.notes += list(self.restored.warnings) if restored else []
                 if self.trainer is not None:
                     self.trainer.step = self.state.next_update
             self._clocks_from_trainer()
