@@ -484,17 +484,25 @@ def _refuse_on_rank1(out: Path, timeout_s: float, control: bool) -> dict:
     """Rank 1 holds a fact that cannot be stored: its capture fails before the round in which the ranks exchange
     their reports. ``control``: that rank raises without taking part in the round, as a save did before the
     round carried failures (the other rank then waits out the collective timeout)."""
+    from trainstate.distributed import capture as capture_mod
     from trainstate.distributed import group as group_mod
 
     rank, run = dist.get_rank(), out / ("control" if control else "run")
     state = build("fsdp")
-    real = group_mod.Ranks.exchange
+    real, real_local, raised = group_mod.Ranks.gather, capture_mod._local, []
     if control:
-        def exchange(self, value, error, phase, room=2048):
-            if error is not None:
-                raise error
-            return real(self, value, error, phase, room)
-        group_mod.Ranks.exchange = exchange
+        def local(*args, **kwargs):
+            try:
+                return real_local(*args, **kwargs)
+            except Exception as exc:
+                raised.append(exc)
+                raise
+
+        def gather(self, value, phase, room=2048):
+            if phase == "capture" and raised:  # the failed rank leaves instead of reporting in the round
+                raise raised.pop()
+            return real(self, value, phase, room)
+        group_mod.Ranks.gather, capture_mod._local = gather, local
     ckpt = ts.CheckpointManager(run, collective_timeout_s=timeout_s)
     result: dict = {}
     try:
@@ -518,7 +526,7 @@ def _refuse_on_rank1(out: Path, timeout_s: float, control: bool) -> dict:
             result["after_fix"] = ckpt.generations()
             ckpt.close()
     finally:
-        group_mod.Ranks.exchange = real
+        group_mod.Ranks.gather, capture_mod._local = real, real_local
     return result
 
 
@@ -748,6 +756,12 @@ def collectives(out: Path) -> dict:
         "gather_small": ranks.all_gather({"rank": r}, "t") == [{"rank": i} for i in range(ranks.world_size)],
         "gather_mixed": ranks.all_gather(big if r == 1 else r, "t") == [0, big][: ranks.world_size],
         "gather_edge": ranks.all_gather([edge, None][r % 2], "t") == [edge, None][: ranks.world_size],
+        "to_rank0": [ranks.gather(v, "t") for v in ({"rank": r}, big if r == 1 else r, big if r == 0 else [r])]
+        == ([[{"rank": i} for i in range(ranks.world_size)], [0, big][: ranks.world_size],
+             [big, [1]][: ranks.world_size]] if r == 0 else [None, None, None]),
+        "failures": [ranks.failures(v, "t") for v in ("", "bad" if r == 1 else "")] == [{}, {1: "bad"}],
+        "sum": ranks.sum([1, r, 2 ** 40], "t") == [ranks.world_size, sum(range(ranks.world_size)),
+                                                   ranks.world_size * 2 ** 40],
         "bytes": [broadcast_bytes(ranks, v if r == 0 else None, 0, "t", room=16) for v in (b"", b"a" * 16,
                                                                                        b"b" * 17)]
         == [b"", b"a" * 16, b"b" * 17],

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..errors import InvalidArgument, PendingGradients, StateMismatch
+from ..errors import CheckpointFailed, InvalidArgument, PendingGradients, StateMismatch
 from ..format import tensorfile
 from ..format.codec import TensorTable, encode
 from ..format.digest import new_hasher
@@ -50,6 +50,20 @@ class RankSnapshot:
     rank_skeleton: dict
     rank_tensors: dict[str, torch.Tensor]
     data: dict = field(default_factory=dict)  # this rank's data positions (rank 0's go into the manifest)
+    total_bytes: int = 0  # what every rank stages and writes, summed (for rank 0's disk preflight)
+
+
+def sharded_bytes(value: Any) -> int:
+    """The bytes of a DCP state dict's tensors on this rank (a DTensor's local shard)."""
+    if hasattr(value, "to_local"):
+        return value.to_local().nbytes
+    if hasattr(value, "nbytes") and not isinstance(value, (bytes, bytearray)):
+        return int(value.nbytes)
+    if isinstance(value, dict):
+        return sum(sharded_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(sharded_bytes(v) for v in value)
+    return 0
 
 
 def owners(state: TrainState) -> dict[str, str]:
@@ -151,27 +165,77 @@ def _settings(dcp: dict[str, Any]) -> str:
     return _digest(strip(dcp), {})
 
 
-ROOM = 8192  # bytes of JSON per rank in the one round of a save's opening; more (many replicas) takes two
-
-
 def capture(state: TrainState, ranks: Ranks, *, weights_only: bool = False, head: Any = None,
             error: BaseException | None = None) -> tuple[RankSnapshot, Any]:
     """This rank's share, with every cross-rank check done, and rank 0's ``head`` (a collective: every rank calls it).
 
-    One round carries every rank's report, rank 0's ``head`` and any rank's
-    failure (``error``, or one raised here while capturing): a failure
-    anywhere raises on every rank at once, and no rank is left waiting.
+    Two rounds, each O(1) bytes per rank: every rank's compact report (digests only, and any failure: ``error``,
+    or one raised here while capturing) gathered to rank 0, then rank 0's decision broadcast (which components
+    differ between ranks, its ``head``, or the failure that every rank raises at once). Only when the ranks
+    disagree does a third round carry each rank's full report, so that rank 0 can name what differs.
     """
-    report: dict = {}
+    detail: dict = {}
     try:
         if error is None:
-            dcp, sharded, others, encoded, fields, report = _local(state, ranks, weights_only)
+            dcp, sharded, others, encoded, fields, detail = _local(state, ranks, weights_only)
     except Exception as exc:  # noqa: BLE001 - carried to every rank, then raised here as it was
         error = exc
-    every = ranks.exchange({"report": report, "head": head}, error, "capture", ROOM)
+    text = "" if error is None else f"{type(error).__name__}: {error}"[:1000]
+    every = ranks.gather({"report": compact(detail) if detail else {}, "error": text}, "capture")
+    decision = ranks.broadcast(decide(every, head) if ranks.rank == 0 else None, "capture")
+    if decision.get("detail"):  # the ranks disagree: rank 0 names what, from every rank's full report
+        details = ranks.gather(detail, "capture")
+        decision = ranks.broadcast({"mismatch": mismatch(details)} if ranks.rank == 0 else None, "capture")
+    if "failed" in decision:
+        if error is not None:
+            raise error
+        raise CheckpointFailed("capture", {int(r): t for r, t in decision["failed"].items()})
+    if "mismatch" in decision:
+        raise StateMismatch(decision["mismatch"])
+    return _snapshot(state, ranks, weights_only, dcp, sharded, others, encoded, fields, detail, decision), \
+        decision["head"]
+
+
+def compact(detail: dict) -> dict:
+    """What rank 0 needs of a rank's report to decide a save, in a size that does not grow with the model: what
+    must agree on every rank as one digest, and each non-sharded component's digest (to tell which differ)."""
+    agree = {k: detail[k] for k in ("contract", "settings", "replicas", "weights_only")}
+    agree["names"] = sorted(detail["components"])
+    return {"next_update": detail["next_update"], "agree": _digest(agree, {}),
+            "components": detail["components"], "counters": detail["counters"], "facts": detail["facts"],
+            "tokens_seen": detail["tokens_seen"], "bytes": detail["bytes"]}
+
+
+def decide(every: list[dict], head: Any) -> dict:
+    """Rank 0's decision from every rank's ``{"report": compact, "error": text}``: the failures, a disagreement
+    (``{"detail": True}``: every rank then sends its full report), or what the snapshots need (which of the
+    clocks, counters, facts and components differ between ranks) with rank 0's ``head``."""
+    failed = {r: e["error"] for r, e in enumerate(every) if e["error"]}
+    if failed:
+        return {"failed": failed}
     reports = [e["report"] for e in every]
-    _check_agreement(reports, state)
-    return _snapshot(state, ranks, weights_only, dcp, sharded, others, encoded, fields, reports), every[0]["head"]
+    updates = sorted({r["next_update"] for r in reports})
+    if len(updates) != 1:
+        first = {u: next(i for i, r in enumerate(reports) if r["next_update"] == u) for u in updates[:5]}
+        return {"mismatch": f"ranks are at different updates ({', '.join(f'rank {r} at {u}' for u, r in first.items())}"
+                            f"{' ...' if len(updates) > 5 else ''}): save() is collective and every rank must call "
+                            "it at the same update boundary"}
+    if len({r["agree"] for r in reports}) != 1:
+        return {"detail": True}
+    first = reports[0]
+    same = {key: all(r[key] == first[key] for r in reports) for key in ("counters", "facts", "tokens_seen")}
+    differ = sorted(n for n in first["components"] if any(r["components"][n] != first["components"][n]
+                                                          for r in reports))
+    return {"same": same, "differ": differ, "head": head, "bytes": sum(r["bytes"] for r in reports)}
+
+
+def mismatch(details: list[dict]) -> str:
+    """What the ranks disagree on (the contract, the optimizer settings, a replicated tensor), named."""
+    try:
+        _check_agreement(details)
+    except StateMismatch as exc:
+        return str(exc)
+    return "ranks disagree on the components they register; every rank must build the same TrainState"
 
 
 def _local(state: TrainState, ranks: Ranks, weights_only: bool) -> tuple:
@@ -203,19 +267,20 @@ def _local(state: TrainState, ranks: Ranks, weights_only: bool) -> tuple:
         "components": {n: _digest(*encoded[n]) for n in encoded},
         "contract": {k: _digest(v, {}) for k, v in fields.items()},
         "counters": _digest(state.counters, {}), "facts": _digest(facts, facts_table.tensors),
-        "tokens_seen": state.tokens_seen,
+        "tokens_seen": state.tokens_seen, "weights_only": weights_only,
+        # what this rank will stage and write, for rank 0's disk preflight (replicated tensors counted on each rank)
+        "bytes": sharded_bytes(dcp) + sum(t.nbytes for _, tensors in encoded.values() for t in tensors.values())
+        + sum(t.nbytes for t in facts_table.tensors.values()),
     }
     return dcp, sharded, others, encoded, fields, report
 
 
 def _snapshot(state: TrainState, ranks: Ranks, weights_only: bool, dcp: dict, sharded: dict, others: dict,
-              encoded: dict, fields: dict, reports: list[dict]) -> RankSnapshot:
-    """This rank's share, once every rank's report is known (which components differ between ranks)."""
-    report = reports[ranks.rank]
-    same = {key: all(r[key] == reports[0][key] for r in reports) for key in ("counters", "facts", "tokens_seen")}
+              encoded: dict, fields: dict, report: dict, decision: dict) -> RankSnapshot:
+    """This rank's share, once rank 0 has decided from every rank's report which components differ between ranks."""
+    same = decision["same"]
     positions = state.data_positions()  # a data position is per rank by nature, even at world size 1
-    rank_local = sorted(n for n in encoded if n in positions
-                        or any(r["components"][n] != reports[0]["components"][n] for r in reports))
+    rank_local = sorted(n for n in encoded if n in positions or n in decision["differ"])
     global_table, rank_table = TensorTable(), TensorTable()
 
     def place(value: Any, path: str, on_rank: bool) -> Any:
@@ -249,10 +314,11 @@ def _snapshot(state: TrainState, ranks: Ranks, weights_only: bool, dcp: dict, sh
             rank_skeleton["tokens_seen"] = state.tokens_seen
     data = {} if weights_only else {n: c.data_position() for n, c in positions.items()}
     state_json(global_skeleton)  # refuses now what JSON cannot carry
-    return RankSnapshot(dcp, sharded, global_skeleton, global_table.tensors, rank_skeleton, rank_table.tensors, data)
+    return RankSnapshot(dcp, sharded, global_skeleton, global_table.tensors, rank_skeleton, rank_table.tensors, data,
+                        decision["bytes"])
 
 
-def _check_agreement(reports: list[dict], state: TrainState) -> None:
+def _check_agreement(reports: list[dict]) -> None:
     """Every rank is at the same boundary, with the same contract and identical replicas."""
     updates = [r["next_update"] for r in reports]
     if len(set(updates)) != 1:

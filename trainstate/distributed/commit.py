@@ -5,8 +5,8 @@ the checkpoint group; rank 0 owns the directory (lock, leftovers, pointer,
 pruning) through the same :class:`~trainstate.publish.Publisher` a single
 process uses.
 
-1. **begin** (rank 0, before anyone writes): every rank names the same
-   generation; what exists under that name is decided (set aside, superseded,
+1. **begin** (rank 0, before anyone writes; the capture's round checked that
+   every rank names the same generation and summed their bytes): what exists under that name is decided (set aside, superseded,
    a no-op when this state is already published, or a refusal); leftovers
    are removed; the disk preflight runs; the staging directory is created.
    Its name, or the refusal, is broadcast.
@@ -23,6 +23,11 @@ process uses.
 5. **publish** (rank 0): the pointer moves, then pruning; the outcome is
    broadcast, and every rank returns the same result or raises.
 
+Every round is O(1) bytes per rank but rank 0 (which gathers a small record
+from each): rank 0 alone needs every rank's name and file records, and the
+manifest crosses to the other ranks only where they use it (``verify="full"``,
+``full_every``).
+
 A failure on any rank in any phase aborts the generation on every rank: no
 pointer moves, the staging directory is removed (or, if rank 0 died, the
 next save removes it) and a committed-but-unverified generation is removed.
@@ -35,7 +40,6 @@ import datetime
 import logging
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointFailed, CorruptGeneration, TrainStateError
 from ..format import tensorfile
@@ -49,8 +53,9 @@ from ..state.snapshot import state_json
 from ..storage import chunked
 from ..storage.verify import point_at, verify_generation
 from .capture import RankSnapshot
-from .group import Ranks, collective
-from .planner import SavePlanner
+from .group import Ranks
+from .increments import rank_view
+from . import saveplan
 from .storage import Writer
 
 log = logging.getLogger("trainstate")
@@ -80,15 +85,9 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publ
     staging = store.join(pending.name, begun["staging"]) if ranks.rank else begun["_staging"]
     superseded = begun.get("_superseded")  # rank 0: the old generation of this name, set aside until published
     try:
-        records = _stage(snap, pending, ranks, staging)
-        written = _write(snap, pending, ranks, staging, records, key)
-        same = ranks.broadcast(written.get("same"), "compare")
-        if same is not None:  # every rank's staged bytes equal a published generation's: nothing was committed
-            info = GenerationInfo(**same)
-            if publisher is not None:
-                publisher.was_published_as(pending.prepared, info.name)
-            return info
-        info = _verify_and_publish(pending, ranks, store, publisher, written.get("manifest", b""), key, content)
+        records, error = stage_records(snap, ranks.rank, staging)  # a failure travels with the write's round
+        written = _write(snap, pending, ranks, staging, records, key, error)
+        info = _verify_and_publish(pending, ranks, store, publisher, written, key, content)
     except BaseException:
         if ranks.rank == 0:
             if publisher is not None:  # (should the abort below fail, the next save looks for what it left)
@@ -104,20 +103,14 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publ
 
 # 1. begin -------------------------------------------------------------------------------------------------
 def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publisher: Publisher | None) -> dict:
-    size = sum(t.nbytes for t in snap.rank_tensors.values()) + sum(t.nbytes for t in snap.global_tensors.values())
-    size += sum(_sharded_bytes(v) for v in snap.dcp.values())
-    names = ranks.all_gather([pending.name, size], "begin")
-    if len({n for n, _ in names}) != 1:
-        raise CheckpointFailed("begin", {r: f"saves {n}" for r, (n, _) in enumerate(names)})
+    """Rank 0 begins (every rank's name and bytes came with the capture's round: same name, summed bytes); one
+    broadcast tells every rank the staging directory, or the refusal."""
     outcome: dict[str, Any] = {}
     staging, error = None, None
     if ranks.rank == 0:
         try:
-            outcome, staging = _rank0_begin(pending, store, publisher, sum(s for _, s in names))
-        except TrainStateError as exc:
-            outcome = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}
-            error = exc
-        except OSError as exc:
+            outcome, staging = _rank0_begin(pending, store, publisher, snap.total_bytes)
+        except (TrainStateError, OSError) as exc:
             outcome = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}
             error = exc
     shared = ranks.broadcast({k: v for k, v in outcome.items() if not k.startswith("_")}, "begin")
@@ -150,25 +143,7 @@ def _rank0_begin(pending: Pending, store: Any, publisher: Publisher, total_bytes
             "_superseded": existing}, staging
 
 
-def _sharded_bytes(value: Any) -> int:
-    if hasattr(value, "to_local"):
-        return value.to_local().nbytes
-    if hasattr(value, "nbytes") and not isinstance(value, (bytes, bytearray)):
-        return int(value.nbytes)
-    if isinstance(value, dict):
-        return sum(_sharded_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_sharded_bytes(v) for v in value)
-    return 0
-
-
 # 2. stage ---------------------------------------------------------------------------------------------------
-def _stage(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any) -> list[FileRecord]:
-    records, error = stage_records(snap, ranks.rank, staging)
-    ranks.check("stage", error)
-    return records
-
-
 def stage_records(snap: RankSnapshot, rank: int, staging: Any) -> tuple[list[FileRecord], BaseException | None]:
     """This rank's records (rank 0's also the global files) into ``staging``; the records, and the failure if any
     (the caller reports it to every rank)."""
@@ -192,10 +167,13 @@ def _write_tensors(staging: Any, name: str, tensors: dict) -> FileRecord:
 
 # 3. write (DCP) ----------------------------------------------------------------------------------------------
 def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, records: list[FileRecord],
-           key: Any) -> dict[str, Any]:
-    """DCP writes the shards; rank 0 then commits, or discards the staging when every file's digest equals
-    the generation ``pending.unless_same`` (a save at the same update that changed nothing). Returns, on rank 0,
-    ``{"manifest": bytes}`` or ``{"same": GenerationInfo fields}``."""
+           key: Any, error: BaseException | None) -> dict[str, Any]:
+    """Each rank writes its shards (:mod:`.saveplan`: DCP's planning, without its rounds); rank 0 then commits, or
+    discards the staging when every file's digest equals the generation ``pending.unless_same`` (a save at the
+    same update that changed nothing). Returns, on rank 0, ``{"manifest": bytes}``, ``{"same": GenerationInfo
+    fields}`` or ``{"failed": {rank: error}}`` (some rank's staging or writing failed: nothing was committed); on
+    every rank ``"own"`` (its files, :func:`.increments.rank_view`) and ``"error"`` (its own failure, or None).
+    ``error``: this rank's staging failed."""
     written: dict[str, Any] = {}
 
     def commit(metadata: bytes, every_file: list[FileRecord], incremental: dict) -> None:
@@ -215,8 +193,10 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
         staging.commit()
 
     writer = Writer(staging, ranks.rank, ranks.world_size, records, commit, getattr(pending, "increment", None))
-    with collective("write", ranks):
-        dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
+    failed, error = saveplan.write(snap.dcp, writer, ranks, error)
+    if failed:
+        written["failed"] = failed
+    written["own"], written["error"] = writer.own, error
     return written
 
 
@@ -224,7 +204,9 @@ def build_manifest(snap: RankSnapshot, pending: Pending, world_size: int, algori
                    every_file: list[FileRecord], incremental: dict) -> Manifest:
     """The manifest of a multi-rank generation: every rank's file records, and which rank wrote which file;
     ``incremental``: the format-4 fields (fingerprints, shares) when saved with ``full_every``."""
-    per_rank = [[f.name for f in every_file if _owner(f.name) == r] for r in range(world_size)]
+    per_rank: list[list[str]] = [[] for _ in range(world_size)]
+    for record in every_file:
+        per_rank[_owner(record.name)].append(record.name)
     return Manifest(
         generation=pending.name, kind=pending.kind, next_update=pending.next_update, digest_algorithm=algorithm,
         files=tuple(every_file),
@@ -244,42 +226,48 @@ def _owner(name: str) -> int:
 
 # 4. verify, 5. publish ------------------------------------------------------------------------------------
 def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: Publisher | None,
-                        manifest_bytes: bytes, key: Any, content: bool) -> GenerationInfo:
-    shared = ranks.broadcast(manifest_bytes.decode() if ranks.rank == 0 else None, "verify")
-    error: BaseException | None = None
-    verified = None
-    try:
-        manifest = pending.manifest = parse_manifest(shared.encode(), f"{pending.name}/{MANIFEST}", key)
-        if ranks.rank == 0:
-            verified = verify_generation(store, pending.name, content=False, key=key)
-            written = (digest_bytes(verified.manifest.digest_algorithm, manifest_bytes), len(manifest_bytes))
-            if (verified.manifest_digest, verified.manifest_size) != written:  # the bytes read back, by digest
-                raise CorruptGeneration(pending.name, "committed manifest differs from the one written")
-        if content:  # verify="full"; "fast" relies on what each rank digested while writing
-            verify_share(store, manifest, ranks)
-    except (TrainStateError, OSError) as exc:
-        error = exc
-    try:
-        ranks.check("verify", error)
-    except BaseException:
-        if ranks.rank == 0:
-            _remove_quietly(store, pending.name)  # committed but not verified everywhere: never latest
-        raise
+                        written: dict[str, Any], key: Any, content: bool) -> GenerationInfo:
+    """Rank 0 verifies what it committed and moves the pointer; one broadcast tells every rank the outcome.
+
+    Only where the other ranks need the manifest (``verify="full"``: each digests its share) is it broadcast
+    first, and every rank's verdict agreed, before the pointer moves: O(N) bytes per rank that the default
+    ("fast") save does without. An incremental save's ranks keep their own view of it (:func:`.increments.rank_view`)."""
+    manifest_bytes = written.get("manifest", b"")
+    error: BaseException | None = written["error"]
+    if content:
+        shared = ranks.broadcast(({k: written[k] for k in ("same", "failed") if k in written} or
+                                  {"manifest": manifest_bytes.decode()}) if ranks.rank == 0 else None, "verify")
+        if "failed" in shared:
+            raise saveplan.failure(shared["failed"], error)
+        if "same" in shared:
+            return _same(pending, publisher, shared["same"])
+        try:
+            pending.manifest = parse_manifest(shared["manifest"].encode(), f"{pending.name}/{MANIFEST}", key)
+            verify_share(store, pending.manifest, ranks)  # verify="full"; "fast" trusts what each rank digested
+        except (TrainStateError, OSError) as exc:
+            error = exc
+        try:
+            ranks.check("verify", error)
+        except BaseException:
+            if ranks.rank == 0:
+                _remove_quietly(store, pending.name)  # committed but not verified everywhere: never latest
+            raise
     outcome: dict[str, Any] = {}
     if ranks.rank == 0:
-        try:
-            point_at(store, verified, key)
-            publisher.published = pending.name
-            outcome = {"info": dataclasses.asdict(GenerationInfo.from_verified(store, verified))}
-        except (TrainStateError, OSError) as exc:
-            publisher.withdraw(pending.name, pending.kind)  # a failed save publishes nothing
-            outcome = {"error": f"{type(exc).__name__}: {exc}"}
-            error = exc
+        outcome, error = ({"failed": written["failed"]}, error) if "failed" in written else \
+            _rank0_publish(pending, store, publisher, written, key)
     shared = ranks.broadcast(outcome, "publish")
+    if "failed" in shared:  # some rank's staging or writing failed: nothing was committed
+        raise saveplan.failure(shared["failed"], error)
+    if "same" in shared:
+        return _same(pending, publisher, shared["same"])
     if "error" in shared:
         if ranks.rank == 0:
             raise error
-        raise CheckpointFailed("publish", {0: shared["error"]})
+        raise CheckpointFailed(shared["phase"], {0: shared["error"]})
+    if pending.manifest is None and getattr(pending, "increment", None) is not None:
+        pending.manifest = rank_view(pending.name, store.digest_algorithm, written["own"])
+    pending.linked = shared["linked"]
     if ranks.rank == 0:
         try:
             publisher.prune({pending.kind: pending.name})
@@ -287,6 +275,40 @@ def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: P
             publisher.clean_due = True  # (a prune that stopped halfway leaves objects no record names)
             log.error("%s is published, but pruning after it failed (%r); the next save retries", pending.name, exc)
     return GenerationInfo(**shared["info"])
+
+
+def _rank0_publish(pending: Pending, store: Any, publisher: Publisher, written: dict[str, Any],
+                   key: Any) -> tuple[dict, BaseException | None]:
+    """Rank 0's verification of the committed generation and the pointer's move: the outcome every rank learns
+    (``info``, ``same``: nothing was committed, or ``error`` with its ``phase``) and rank 0's own error."""
+    if "same" in written:  # every rank's staged bytes equal a published generation's: nothing was committed
+        return {"same": written["same"]}, None
+    manifest_bytes, phase = written["manifest"], "verify"
+    try:
+        verified = verify_generation(store, pending.name, content=False, key=key)
+        if (verified.manifest_digest, verified.manifest_size) != (
+                digest_bytes(verified.manifest.digest_algorithm, manifest_bytes), len(manifest_bytes)):
+            raise CorruptGeneration(pending.name, "committed manifest differs from the one written")
+        if pending.manifest is None:
+            pending.manifest = verified.manifest
+        phase = "publish"
+        point_at(store, verified, key)
+        publisher.published = pending.name
+        return {"info": dataclasses.asdict(GenerationInfo.from_verified(store, verified)),
+                "linked": bool(verified.manifest.shares)}, None
+    except (TrainStateError, OSError) as exc:
+        if phase == "verify":
+            _remove_quietly(store, pending.name)  # committed but not verified: never latest
+        else:
+            publisher.withdraw(pending.name, pending.kind)  # a failed save publishes nothing
+        return {"error": f"{type(exc).__name__}: {exc}", "phase": phase}, exc
+
+
+def _same(pending: Pending, publisher: Publisher | None, same: dict) -> GenerationInfo:
+    info = GenerationInfo(**same)
+    if publisher is not None:
+        publisher.was_published_as(pending.prepared, info.name)
+    return info
 
 
 def verify_share(store: Any, manifest: Manifest, ranks: Ranks, skip: set[str] = frozenset()) -> None:

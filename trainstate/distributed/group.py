@@ -98,12 +98,55 @@ class Ranks:
             dist.all_gather(out, padded, group=self.group)
             return [_decoded(t[:n]) for t, n in zip(out, sizes)]
 
-    def agree(self, ok: bool, phase: str, error: str = "") -> list[str]:
-        """Every rank reports whether its part of ``phase`` succeeded; returns every rank's error ("" for none).
+    def gather(self, value: Any, phase: str, room: int | None = ROOM) -> list[Any] | None:
+        """Every rank's ``value`` (JSON-able) on rank 0, in rank order; ``None`` on every other rank.
 
-        Raises nothing itself: the caller decides (see :meth:`check`).
+        One round in which each rank sends ``room`` bytes and rank 0 alone receives (O(1) per rank, O(N) at rank
+        0, where :meth:`all_gather` has every rank receive every value). A value longer than ``room`` follows
+        point to point from its own rank, which alone knows it must: the others never wait for a second round.
+        ``room=None``: values of any size (a rank's share of the metadata), in two rounds: an all-reduce of the
+        largest size (8 bytes per rank), then a gather in that room.
         """
-        return self.all_gather(error if not ok else "", phase)
+        with collective(phase, self):
+            data = _encode(value)
+            if room is None:
+                largest = torch.tensor([len(data)], dtype=torch.int64)
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+                room = int(largest.item())
+            mine = _framed(data, len(data), room)
+            root = _global_rank(self.group, 0)
+            if self.rank != 0:
+                dist.gather(mine, dst=root, group=self.group)
+                if len(data) > room:
+                    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=root, group=self.group)
+                return None
+            frames = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.gather(mine, gather_list=frames, dst=root, group=self.group)
+            out = []
+            for rank, frame in enumerate(frames):
+                size = _length(frame)
+                if size <= room:
+                    out.append(_decoded(frame[8:8 + size]))
+                elif rank == 0:
+                    out.append(value)
+                else:
+                    buffer = torch.empty(size, dtype=torch.uint8)
+                    dist.recv(buffer, src=_global_rank(self.group, rank), group=self.group)
+                    out.append(_decoded(buffer))
+            return out
+
+    def failures(self, error: str, phase: str) -> dict[int, str]:
+        """Every rank's ``error`` ("" for none) by rank, only where some rank has one: ``{}`` when none does.
+
+        One round of 8 bytes per rank (a sum of failure flags) when every rank succeeded, the common case; the
+        failures' texts cross in a second round only when some rank failed.
+        """
+        with collective(phase, self):
+            flag = torch.tensor([1 if error else 0], dtype=torch.int64)
+            dist.all_reduce(flag, group=self.group)
+        if not int(flag.item()):
+            return {}
+        return {rank: text for rank, text in enumerate(self.all_gather(error, phase)) if text}
 
     def check(self, phase: str, error: BaseException | None) -> None:
         """All ranks learn whether ``phase`` succeeded everywhere; any failure raises on every rank.
@@ -112,13 +155,19 @@ class Ranks:
         :class:`CheckpointFailed` naming the failing ranks and their errors.
         """
         text = "" if error is None else f"{type(error).__name__}: {error}"
-        reports = self.agree(error is None, phase, text[:2000])
-        failed = {rank: report for rank, report in enumerate(reports) if report}
+        failed = self.failures(text[:2000], phase)
         if not failed:
             return
         if error is not None:
             raise error
         raise CheckpointFailed(phase, failed)
+
+    def sum(self, values: list[int], phase: str) -> list[int]:
+        """The element-wise sum of every rank's ``values`` (the same length on every rank), on every rank."""
+        with collective(phase, self):
+            total = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(total, group=self.group)
+        return [int(v) for v in total.tolist()]
 
     def exchange(self, value: Any, error: BaseException | None, phase: str, room: int = ROOM) -> list[Any]:
         """Every rank's ``value`` and whether its part of ``phase`` failed, in one round; a failure anywhere raises

@@ -21,8 +21,10 @@ Whether a generation may link at all is decided from the parent's manifest,
 so every rank decides alike: the generation after ``full_every - 1`` in a
 row that linked files links nothing, which leaves a self-contained
 generation to fall back to when a shared file is damaged. Each rank keeps
-the manifest of the last generation it published (every rank parses it at
-the commit), so a steady save reads nothing from the store to decide.
+its view of the last generation it published (its own files, their
+fingerprints and shares, and rank 0's word on whether any rank linked: the
+manifest itself, O(N), never crosses ranks), so a steady save reads nothing
+from the store to decide.
 """
 
 from __future__ import annotations
@@ -78,11 +80,23 @@ class RankIncrements:
         self.saves += 1
         return ShardPlan(store, manifest, link, chain, incremental.probing(self.saves - 1, self.full_every))
 
-    def published(self, manifest: Manifest | None, plan: ShardPlan | None, prepared: str | None = None) -> None:
-        """Keep ``manifest`` (just committed, every rank parsed it) for the next save's plan, also under the name
-        the save was prepared as (``prepared``: a revision is published as ``gen-U-r001``, and the state's parent
-        still names ``gen-U``)."""
+    def published(self, manifest: Manifest | None, plan: ShardPlan | None, prepared: str | None = None,
+                  linked: bool | None = None) -> None:
+        """Keep ``manifest`` (just committed: the whole, or this rank's view of it, :func:`rank_view`) for the next
+        save's plan, also under the name the save was prepared as (``prepared``: a revision is published as
+        ``gen-U-r001``, and the state's parent still names ``gen-U``). ``linked``: whether any rank's file in it is
+        linked (default: read from ``manifest``, which a view cannot tell)."""
         if manifest is None or plan is None or not manifest.fingerprints:
             return
-        kept = (manifest, plan.depth + 1 if manifest.shares else 0)
+        linked = bool(manifest.shares) if linked is None else linked
+        kept = (manifest, plan.depth + 1 if linked else 0)
         self.known = {manifest.generation: kept, **({prepared: kept} if prepared else {})}
+
+
+def rank_view(generation: str, algorithm: str, own: dict[str, dict]) -> Manifest:
+    """This rank's part of a committed generation, from what it wrote (``Writer.own``): its shard files' records,
+    fingerprints and shares; enough for its next save to link against (:class:`ShardPlan`), nothing else."""
+    return Manifest(generation=generation, kind="full", next_update=0, digest_algorithm=algorithm,
+                    files=tuple(FileRecord(*f["record"]) for f in own.values()), created="", contract_fingerprint="",
+                    fingerprints={n: f["prints"] for n, f in own.items() if "prints" in f},
+                    shares={n: f["share"] for n, f in own.items() if f.get("share")})

@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 
 from ..errors import (CheckpointFailed, CorruptGeneration, NoValidGeneration, PointerRollback, Rejection,
                       StateMismatch, TrainStateError)
-from ..format.codec import decode
 from ..records import GenerationInfo, RestoreInfo
 from ..lifecycle.candidates import Candidates, candidates, check_run, expected_run
 from ..restore import HeldFiles, continue_lineage
@@ -45,10 +44,11 @@ from ..state import snapshot
 from ..state.train_state import TrainState
 from ..storage.chunked import Progress
 from ..storage.fetched import Fetched
-from ..storage.verify import decode_verified, read_json_file, read_tensors, verify_generation
+from ..storage.verify import decode_verified, read_json_file, verify_generation
 from .capture import contract_fields, loaded_in_place, sharded_state
-from .commit import rank_json, rank_tensors, verify_share
+from .commit import verify_share
 from .group import Ranks
+from .payload import check_sharded, merge, rank_record, sharded_record
 from .planner import LoadPlanner
 from .share import fetch_share, problem_of, raise_unavailable
 from .storage import DCP_METADATA, Reader, metadata_from_json
@@ -184,18 +184,40 @@ def _choose(held: HeldFiles | Fetched, ranks: Ranks, key: Any, generation: str |
         pointer = order.pointer if order is not None and name == order.pointer_generation else None
         verified, parts, problem = _check_candidate(held, name, pointer, plan["run"], ranks, key, templates,
                                                     one_pass)
-        reports = ranks.all_gather(problem, "verify")
-        fatal = [r[1:] for r in reports if r.startswith("!")]
-        if fatal:
-            raise StateMismatch(fatal[0])
-        raise_unavailable(reports)
-        failed = {r: text for r, text in enumerate(reports) if text}
+        failed = agree_on(ranks, problem, lambda: continue_lineage(held, verified.manifest), parts)
         if not failed:
             return (verified, parts), tuple(rejected)
         rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))
     if not plan["names"] and not rejected and not skip:
         return None, ()
     raise NoValidGeneration(held.location, list(skip) + rejected)
+
+
+def agree_on(ranks: Ranks, problem: str, lineage: Callable[[], list], parts: dict | None) -> dict[int, str]:
+    """Every rank's verdict on one candidate, decided by rank 0 (two rounds, O(1) bytes per rank: the problems
+    gathered to rank 0, its verdict broadcast): ``{}`` when every rank can load it, with rank 0's continued
+    lineage in ``parts["lineage"]``; else the ranks' problems (damage: the next candidate is tried). A mismatch
+    with a live state ("!" problems) raises :class:`StateMismatch`, a store that did not answer
+    :class:`StorageUnavailable`, on every rank."""
+    problems = ranks.gather(problem, "verify")
+    verdict = None
+    if ranks.rank == 0:
+        failed = {r: text for r, text in enumerate(problems) if text}
+        fatal = [t[1:] for t in failed.values() if t.startswith("!")]
+        verdict = {"fatal": fatal[0]} if fatal else {"failed": dict(list(failed.items())[:64])} if failed else {}
+        if not verdict:
+            try:
+                verdict["lineage"] = lineage()
+            except (TrainStateError, OSError) as exc:
+                verdict = {"failed": {0: problem_of(exc)}}
+    verdict = ranks.broadcast(verdict, "verify")
+    if "fatal" in verdict:
+        raise StateMismatch(verdict["fatal"])
+    failed = {int(r): t for r, t in verdict.get("failed", {}).items()}
+    raise_unavailable(failed)
+    if not failed and parts is not None:
+        parts["lineage"] = verdict["lineage"]
+    return failed
 
 
 def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: str | None, ranks: Ranks, key: Any,
@@ -242,10 +264,10 @@ def _read(held: HeldFiles, manifest: Any, ranks: Ranks | None) -> dict:
     damage to the generation."""
     name = manifest.generation
     payload = decode_verified(held, manifest)
-    sharded = _sharded_record(payload, name)
+    sharded = sharded_record(payload, name)
     saved_world = sharded["world_size"]
     wanted = [ranks.rank] if ranks is not None and saved_world == ranks.world_size else list(range(saved_world))
-    records = {r: _rank_record(held, manifest, r) for r in wanted}
+    records = {r: rank_record(held, manifest, r) for r in wanted}
     decoded = held.metadata if isinstance(held, Fetched) else None  # decoded by the fetch that planned the reads
     metadata = decoded[1] if decoded and decoded[0] == name else \
         metadata_from_json(read_json_file(held, manifest, DCP_METADATA), f"{name}/{DCP_METADATA}",
@@ -279,9 +301,9 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
         state.settle_contract(payload["contract"]["fields"], allow)
         accepted = contract_mod.check(payload["contract"]["fields"], contract_fields(state, ranks.world_size),
                                       name, allow)
-        _check_sharded(state, sharded["components"], name)
+        check_sharded(state, sharded["components"], name)
         same_world = sharded["world_size"] == ranks.world_size
-        merged, notes = _merge(state, payload, sharded, parts["records"], ranks.rank, same_world)
+        merged, notes = merge(state, payload, sharded, parts["records"], ranks.rank, same_world)
         warnings += notes
         view = _Partial(state, sharded["components"], keep_rng=same_world)
         snapshot.check_components(view, merged, name)
@@ -311,9 +333,9 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
                                          templates[component])
         warnings.extend(snapshot.apply(view, merged, statistical_cuda=statistical_cuda, checked=checked))
 
-    def share() -> dict:  # rank 0's lineage; a tiered view's sources, per rank
-        lineage = continue_lineage(held, manifest) if ranks.rank == 0 else None
-        return {"lineage": lineage, "sources": held.sources() if hasattr(held, "sources") else None}
+    def share() -> list[int]:  # the bytes this rank took from each source (a tiered view's; else none)
+        sources = held.sources() if hasattr(held, "sources") else {}
+        return [sources.get(where, 0) for where in SOURCES]
 
     def changed(reason: str) -> None:  # the load failed on some rank (not damage) after live tensors changed
         mark_unusable(state, f"restoring {name} failed after live tensors took part of it ({reason})")
@@ -328,15 +350,14 @@ def _load(state: TrainState, chosen: Any, rejected: tuple[Rejection, ...], held:
         report = getattr(component, "restore_warnings", None)
         warnings += list(report()) if callable(report) else []
     state.parent = name
-    state.lineage = shared[0]["lineage"]
+    state.lineage = parts["lineage"]
     info = RestoreInfo(GenerationInfo.from_verified(held, verified), rejected, tuple(accepted), tuple(warnings))
-    return _with_sources(info, [s["sources"] for s in shared]) if shared[0]["sources"] is not None else info
+    if not hasattr(held, "sources"):
+        return info  # the bytes every rank took from its own node, from peers and from the remote (tiers)
+    return dataclasses.replace(info, sources=dict(zip(SOURCES, shared)))
 
 
-def _with_sources(info: RestoreInfo, sources: list[dict]) -> RestoreInfo:
-    """``info`` with the bytes every rank took from its own node, from peers and from the remote (tiers)."""
-    total = {where: sum(s[where] for s in sources) for where in ("local", "peer", "remote")}
-    return dataclasses.replace(info, sources=total)
+SOURCES = ("local", "peer", "remote")
 
 
 def _loaded_verified(manifest: Any) -> set[str]:
@@ -348,8 +369,10 @@ def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, prog
                   planned: LoadPlanner | None = None, apply: Callable[[], None] | None = None,
                   share: Callable[[], Any] | None = None, changed: Callable[[str], None] | None = None) -> list[Any]:
     """``dcp.load`` through the verifying reader, each rank its own part; where it loaded without error,
-    ``apply()`` (the live objects take the rest) and ``share()``; then one round gathers every rank's outcome and
-    shared value (returned, in rank order). Damage found on any rank raises :class:`Damaged` on every rank, any
+    ``apply()`` (the live objects take the rest) and ``share()`` (a list of counts); then one round sums every
+    rank's outcome flags and counts (returned: the counts summed over the ranks; 8 bytes per flag and count, the
+    failures' texts follow in a second round only where some rank failed). Damage found on any rank raises
+    :class:`Damaged` on every rank, any
     other failure :class:`CheckpointFailed` (a rank's own typed error on that rank), after ``changed(reason)``
     where live tensors of some rank already took part of the generation (a read that failed halfway).
 
@@ -384,99 +407,21 @@ def _load_checked(templates: dict, reader: Reader, ranks: Ranks, name: str, prog
             own = StateMismatch(f"loading {name} failed after the checks passed ({type(exc).__name__}: {exc}); "
                                 "live objects may hold part of it: rebuild them before restoring again")
             trouble = f"{type(own).__name__}: {own}"[:2000]
-    reports = ranks.all_gather([damage, progress.live_changed or applied, failure, trouble, shared], "load")
+    summed = ranks.sum([int(bool(damage or failure or trouble)), int(bool(progress.live_changed or applied)),
+                        *(shared if shared is not None else [0] * len(SOURCES))], "load")
+    if not summed[0]:
+        return summed[2:]
+    live = summed[1] > 0
+    reports = ranks.all_gather([damage, failure, trouble], "load")  # some rank failed: every rank learns how
     damaged = [f"rank {r}: {text}" for r, (text, *_) in enumerate(reports) if text]
     if damaged:
-        raise Damaged(name, "; ".join(damaged), any(live for _, live, *_ in reports))
-    for index, phase in ((2, "load"), (3, "apply")):
+        raise Damaged(name, "; ".join(damaged), live)
+    for index, phase in ((1, "load"), (2, "apply")):
         failed = {r: report[index] for r, report in enumerate(reports) if report[index]}
         if failed:
-            if changed is not None and any(live for _, live, *_ in reports):
+            if changed is not None and live:
                 changed("; ".join(f"rank {r}: {text}" for r, text in failed.items())[:2000])
             if isinstance(own, TrainStateError):
                 raise own
             raise CheckpointFailed(phase, failed) from own
-    return [report[4] for report in reports]
-
-
-def _sharded_record(payload: dict, where: str) -> dict:
-    sharded = payload.get("sharded")
-    ok = (type(sharded) is dict and set(sharded) == {"world_size", "components", "settings", "rank_local"}
-          and type(sharded["world_size"]) is int and sharded["world_size"] >= 1
-          and type(sharded["components"]) is dict and type(sharded["rank_local"]) is dict
-          and all(type(d) is dict and d.get("kind") in ("module", "optimizer") for d in sharded["components"].values()))
-    if not ok:
-        raise CorruptGeneration(f"{where}/state.json", "malformed multi-rank record")
-    return sharded
-
-
-def _check_sharded(state: TrainState, saved: dict, name: str) -> None:
-    """The sharded components: the same names, kinds and (for optimizers) classes as the live ones."""
-    live = {n: "module" if isinstance(c, torch.nn.Module) else "optimizer" for n, c in state.components.items()
-            if isinstance(c, (torch.nn.Module, torch.optim.Optimizer))}
-    if {n: d["kind"] for n, d in saved.items()} != live:
-        raise StateMismatch(f"{name} holds sharded components {sorted(saved)} but this TrainState has modules and "
-                            f"optimizers {sorted(live)}; construct it with the same component names")
-    for component, described in saved.items():
-        live_type = snapshot._type_name(state.components[component])
-        if described["kind"] == "optimizer" and described["type"] != live_type:
-            raise StateMismatch(f"component {component!r}: {name} saved a {described['type']!r}, this run has a "
-                                f"{live_type!r}")
-
-
-def _merge(state: TrainState, payload: dict, sharded: dict, records: dict[int, dict], rank: int,
-           same_world: bool) -> tuple[dict, list[str]]:
-    """The payload of everything but the sharded part, for this rank: global sections plus its per-rank record."""
-    merged = {k: v for k, v in payload.items() if k not in ("sharded",)}
-    merged["components"] = dict(payload["components"])
-    local = sharded["rank_local"]
-    if same_world:
-        record = records[rank]
-        merged["rng"] = record["rng"]
-        merged["components"].update(record["components"])
-        for key in ("counters", "facts"):
-            if local.get(key):
-                merged[key] = record[key]
-        if local.get("tokens_seen"):
-            merged["clocks"] = {**merged["clocks"], "tokens_seen": record["tokens_seen"]}
-        return merged, []
-    saved_world = sharded["world_size"]
-    records = [records[r] for r in range(saved_world)]
-    streams = (["python", "numpy", "torch"] if state.capture_global_rngs else []) + sorted(state.rngs)
-    notes = [f"the run was saved at world size {saved_world} and restored at another: the per-rank RNG streams "
-             f"({', '.join(streams) or 'none'}) cannot be mapped onto other ranks and continue from this process's "
-             "own, statistically, not bitwise"]
-    for component in local.get("components", []):
-        live = state.components.get(component)
-        if not callable(getattr(live, "resharded_state", None)):
-            raise StateMismatch(f"component {component!r} differs between ranks and cannot be resharded to another "
-                                "world size (only a ResumableLoader can); restore at the saved world size")
-        resharded, more = live.resharded_state([r["components"][component]["state"] for r in records])
-        notes += more
-        merged["components"][component] = {"type": records[0]["components"][component]["type"], "state": resharded}
-    for key in ("counters", "facts"):
-        if local.get(key):
-            merged[key] = records[min(rank, saved_world - 1)][key]
-            notes.append(f"{key} differed between ranks; this rank continues with rank {min(rank, saved_world - 1)}'s")
-    merged.pop("rng", None)
-    return merged, notes
-
-
-def _rank_record(held: HeldFiles, manifest: Any, rank: int) -> dict:
-    raw = read_json_file(held, manifest, rank_json(rank))
-    where = f"{manifest.generation}/{rank_json(rank)}"
-    if raw.get("format") != "trainstate-rank" or raw.get("rank") != rank:
-        raise CorruptGeneration(where, "not this rank's record")
-    tensors = read_tensors(held, manifest, rank_tensors(rank))
-    out = {"rng": decode(raw.get("rng", {}), "rng", tensors), "components": {}}
-    for name, component in (raw.get("components") or {}).items():
-        if type(component) is not dict or set(component) != {"type", "state"}:
-            raise CorruptGeneration(where, f"malformed component {name!r:.60}")
-        out["components"][name] = {"type": component["type"], "state": decode(component["state"], name, tensors)}
-    if "counters" in raw:
-        out["counters"] = raw["counters"]
-    if "facts" in raw:
-        out["facts"] = decode(raw["facts"], "facts", tensors)
-    if "tokens_seen" in raw:
-        out["tokens_seen"] = raw["tokens_seen"]
-    return out
+    return []

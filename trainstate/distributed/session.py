@@ -40,7 +40,8 @@ class DistPending(Pending):
 
     snap: RankSnapshot | None = None
     increment: Any = None  # full_every: what this rank's shard may link (increments.ShardPlan)
-    manifest: Any = None  # the committed manifest, as every rank parsed it
+    manifest: Any = None  # the committed manifest (rank 0's; elsewhere this rank's view, or as every rank parsed it)
+    linked: bool | None = None  # whether any rank's file in it is linked (rank 0's word; None: read the manifest)
 
     def changed_bytes(self, manifest: Any, store: Any = None) -> None:
         """Unknown until written: the shards' bytes exist only once DCP has planned and written them, so
@@ -172,7 +173,7 @@ class Session:
                                   manager._publisher if self.rank == 0 else None, manager.key,
                                   content=manager._publisher.verify_mode == "full")
         if self.increments is not None:
-            self.increments.published(pending.manifest, pending.increment, pending.prepared)
+            self.increments.published(pending.manifest, pending.increment, pending.prepared, pending.linked)
         return info
 
     def _publish_tiered(self, manager: Any, pending: DistPending, ranks: Ranks, background: bool) -> GenerationInfo:

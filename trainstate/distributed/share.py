@@ -42,11 +42,12 @@ def problem_of(exc: BaseException) -> str:
     return f"{UNAVAILABLE}{exc}" if isinstance(exc, StorageUnavailable) else f"{exc}"
 
 
-def raise_unavailable(reports: list[str]) -> None:
+def raise_unavailable(reports: list[str] | dict[int, str]) -> None:
     """On every rank, :class:`StorageUnavailable` when the store did not answer some rank (after the client's
     retries): those bytes may be intact, so no candidate is passed over for it (a restore would resume from an
     older generation, or find none and call a transient outage permanent). Nothing live changed yet."""
-    down = [(rank, text[len(UNAVAILABLE):]) for rank, text in enumerate(reports) if text.startswith(UNAVAILABLE)]
+    items = reports.items() if isinstance(reports, dict) else enumerate(reports)
+    down = [(rank, text[len(UNAVAILABLE):]) for rank, text in items if text.startswith(UNAVAILABLE)]
     if down:
         rank, text = down[0]
         raise StorageUnavailable(f"rank {rank}: {text.rstrip('.')}. The restore loaded nothing; call it again once "

@@ -34,10 +34,13 @@ Call order (DCP drives it; "coordinator" is rank 0):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import io
 import json
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -82,36 +85,70 @@ def entry_name(index: MetadataIndex) -> str:
 
 
 # metadata <-> JSON -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic collector off while a few million acyclic containers are built (DCP's metadata of thousands of
+    ranks): each of its full passes walks every live object of the process, a large part of the time otherwise."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _storage_order(record: list) -> list:
+    return record[1] or []
+
+
 def metadata_to_json(metadata: Metadata) -> bytes:
-    items: dict[str, Any] = {}
-    for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, BytesStorageMetadata):
-            items[fqn] = {"bytes": True}
-            continue
-        props = item.properties
-        if props.layout != torch.strided:
-            raise TrainStateError(f"{fqn}: only strided (dense) tensors are stored, not {props.layout}")
-        items[fqn] = {"dtype": tensorfile.dtype_name(props.dtype), "requires_grad": bool(props.requires_grad),
-                      "size": [int(s) for s in item.size],
-                      "chunks": [[[int(o) for o in c.offsets], [int(s) for s in c.sizes]] for c in item.chunks]}
-    planner = {fqn: list(path) for fqn, path in (metadata.planner_data or {}).items()}
-    storage = [[index.fqn, None if index.offset is None else [int(o) for o in index.offset], info["file"],
-                info["entry"]] for index, info in (metadata.storage_data or {}).items()]
-    data = {"format": _FORMAT, "version": metadata.version, "items": items, "planner_data": planner,
-            "storage": sorted(storage, key=lambda s: (s[0], s[1] or []))}
-    return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    with _gc_paused():
+        items: dict[str, Any] = {}
+        for fqn, item in metadata.state_dict_metadata.items():
+            if isinstance(item, BytesStorageMetadata):
+                items[fqn] = {"bytes": True}
+                continue
+            props = item.properties
+            if props.layout != torch.strided:
+                raise TrainStateError(f"{fqn}: only strided (dense) tensors are stored, not {props.layout}")
+            items[fqn] = {"dtype": tensorfile.dtype_name(props.dtype), "requires_grad": bool(props.requires_grad),
+                          "size": [int(s) for s in item.size],
+                          "chunks": [[list(map(int, c.offsets)), list(map(int, c.sizes))] for c in item.chunks]}
+        planner = {fqn: list(path) for fqn, path in (metadata.planner_data or {}).items()}
+        by_fqn: dict[str, list] = {}  # sorted by fqn, then offsets (None as []), ties in insertion order
+        for index, info in (metadata.storage_data or {}).items():
+            record = [index.fqn, None if index.offset is None else list(map(int, index.offset)), info["file"],
+                      info["entry"]]
+            group = by_fqn.get(index.fqn)
+            if group is None:
+                by_fqn[index.fqn] = [record]
+            else:
+                group.append(record)
+        storage = [record for fqn in sorted(by_fqn) for record in sorted(by_fqn[fqn], key=_storage_order)]
+        data = {"format": _FORMAT, "version": metadata.version, "items": items, "planner_data": planner,
+                "storage": storage}
+        return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
 
 
 def metadata_from_json(raw: dict, where: str, files: set[str]) -> Metadata:
     """DCP's ``Metadata`` from its parsed JSON, checking every field; ``files``: the shard files the manifest lists."""
+    with _gc_paused():
+        return _metadata_from_json(raw, where, files)
 
+
+def _naturals(value: Any, n: int | None = None) -> bool:
+    """A list of ints >= 0 (of length ``n``), checked without a Python call per element."""
+    return type(value) is list and (not value or (set(map(type, value)) == {int} and min(value) >= 0)) and (
+        n is None or len(value) == n)
+
+
+def _metadata_from_json(raw: dict, where: str, files: set[str]) -> Metadata:
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise CorruptGeneration(where, what)
 
-    def ints(value: Any, n: int | None = None) -> bool:
-        return type(value) is list and all(type(v) is int and v >= 0 for v in value) and (n is None or len(value) == n)
-
+    ints = _naturals
     need(set(raw) == {"format", "version", "items", "planner_data", "storage"} and raw["format"] == _FORMAT,
          "not trainstate DCP metadata")
     need(raw["version"] is None or type(raw["version"]) is str, "malformed version")
@@ -128,9 +165,10 @@ def metadata_from_json(raw: dict, where: str, files: set[str]) -> Metadata:
              f"malformed tensor item {fqn!r:.80}")
         size = item["size"]
         chunks = []
-        for chunk in item["chunks"]:
-            need(type(chunk) is list and len(chunk) == 2 and ints(chunk[0], len(size)) and ints(chunk[1], len(size))
-                 and all(o + s <= d for o, s, d in zip(chunk[0], chunk[1], size)), f"malformed chunk of {fqn!r:.80}")
+        for chunk in item["chunks"]:  # (the message is formatted only for a chunk that fails)
+            if not (type(chunk) is list and len(chunk) == 2 and ints(chunk[0], len(size)) and ints(chunk[1], len(size))
+                    and all(map(operator.le, map(operator.add, chunk[0], chunk[1]), size))):
+                raise CorruptGeneration(where, f"malformed chunk of {fqn!r:.80}")
             chunks.append(ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1])))
         props = TensorProperties(dtype=tensorfile.torch_dtype(item["dtype"], where),
                                  requires_grad=item["requires_grad"])
@@ -141,9 +179,9 @@ def metadata_from_json(raw: dict, where: str, files: set[str]) -> Metadata:
         planner[fqn] = tuple(path)
     storage = {}
     for record in raw["storage"]:
-        need(type(record) is list and len(record) == 4 and type(record[0]) is str and record[0] in items
-             and (record[1] is None or ints(record[1])) and record[2] in files and type(record[3]) is str,
-             f"malformed storage record {record!r:.120}")
+        if not (type(record) is list and len(record) == 4 and type(record[0]) is str and record[0] in items
+                and (record[1] is None or ints(record[1])) and record[2] in files and type(record[3]) is str):
+            raise CorruptGeneration(where, f"malformed storage record {record!r:.120}")
         storage[MetadataIndex(record[0], record[1])] = {"file": record[2], "entry": record[3]}
     return Metadata(state_dict_metadata=items, planner_data=planner, storage_data=storage, version=raw["version"])
 
@@ -159,6 +197,7 @@ class Writer(StorageWriter):
         self.on_finish = on_finish  # (DCP's metadata, every file's record, the manifest's format-4 fields)
         self.increment = increment  # full_every: this rank's shard by what changes (see .increments)
         self.plan_files: dict[int, list[FileRecord]] = {}
+        self.own: dict[str, dict] = {}  # this rank's shard files as written: {file: {"record", "prints", "share"}}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -208,6 +247,7 @@ class Writer(StorageWriter):
             # background save writes from its own copy)
             record = self.staging.write(file, tensorfile.chunks(layout, tensors), stable=True, size_hint=layout.size)
             extra[file] = {"record": dataclasses.astuple(record)}
+        self.own = {file: dict(fields) for file, fields in extra.items()}
         results = []
         for item, name, tensor, file in placed:  # the first result of each file carries what is known of it
             results.append(WriteResult(index=item.index, size_in_bytes=tensor.nbytes,
@@ -236,6 +276,9 @@ class Writer(StorageWriter):
         records = [f for r in range(self.world_size) for f in self.plan_files[r]] + shards
         records.append(self.staging.write(DCP_METADATA, [data]))
         self.on_finish(data, records, manifest_fields(prints, shares))
+        # DCP broadcasts what finish was given to every rank once it returns: every rank's chunk of every item,
+        # O(N) bytes per rank (hundreds of MB at thousands of ranks) that no rank reads. It is written: drop it.
+        metadata.state_dict_metadata, metadata.storage_data, metadata.planner_data = {}, None, None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

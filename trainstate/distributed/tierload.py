@@ -40,14 +40,14 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import CheckpointFailed, CorruptGeneration, NoValidGeneration, Rejection, StateMismatch, TrainStateError
+from ..errors import CheckpointFailed, CorruptGeneration, NoValidGeneration, Rejection, TrainStateError
 from ..format.digest import CHUNK_BYTES
 from ..format.manifest import MANIFEST, POINTER, RUN, generation_order, parse_generation_name, run_to_bytes
 from ..records import RestoreInfo
+from ..restore import continue_lineage
 from ..state.train_state import TrainState
 from . import load
 from .group import Ranks
-from .share import raise_unavailable
 from .tierfetch import Holdings
 from .tiers import (Tier, broadcast_bytes, holdings, node_files, parse_shared_manifest, placement, pointed,
                     rank_files, verified_from)
@@ -111,12 +111,7 @@ def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[A
                 break
             try:
                 verified, parts, problem = load._check_candidate(view, name, None, run, ranks, key, templates)
-                reports_ = ranks.all_gather(problem, "verify")
-                fatal = [r[1:] for r in reports_ if r.startswith("!")]
-                if fatal:
-                    raise StateMismatch(fatal[0])
-                raise_unavailable(reports_)
-                failed = {r: text for r, text in enumerate(reports_) if text}
+                failed = load.agree_on(ranks, problem, lambda: continue_lineage(view, verified.manifest), parts)
                 if failed:
                     rejected.append(Rejection(name, "; ".join(f"rank {r}: {t}" for r, t in failed.items())))
                     break

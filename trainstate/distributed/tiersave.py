@@ -56,7 +56,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointFailed, CorruptGeneration, ExistingRun, InsufficientSpace, TrainStateError
 from ..format.digest import digest_bytes
@@ -67,9 +66,10 @@ from ..records import GenerationInfo
 from ..revisions import log_same, same_files
 from ..storage.verify import Verified, read_manifest, read_pointed
 from .capture import RankSnapshot
-from .commit import _sharded_bytes, build_manifest, stage_records
+from .capture import sharded_bytes
+from .commit import build_manifest, stage_records
 from .group import Ranks, _global_rank, collective
-from .planner import SavePlanner
+from . import saveplan
 from .storage import DCP_METADATA, Writer
 from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, node_files, placement, rank_files, verified_from
 from .tierprune import prune  # noqa: F401  (the save calls tiersave.prune: a test aims kills at it)
@@ -114,7 +114,7 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
     space) and rank 0's lineage; then each leader's staging directory. A non-leader joins its leader's staging
     after the second round; its error (if any) is returned, and reported in the stage round."""
     size = sum(t.nbytes for t in snap.rank_tensors.values()) + sum(t.nbytes for t in snap.global_tensors.values())
-    size += sum(_sharded_bytes(v) for v in snap.dcp.values())
+    size += sum(sharded_bytes(v) for v in snap.dcp.values())
     pending.parent = publisher.renamed.get(pending.parent, pending.parent)  # a background save's revision
     topo = tier.topology
     report: dict[str, Any] = {}
@@ -228,7 +228,7 @@ def _stage(snap: RankSnapshot, ranks: Ranks, staging: Any, joined: BaseException
     """Each rank's records (rank 0's also the global files) into its node's staging; one round reports every rank's
     outcome, a failed join included."""
     records, error = ([], joined) if joined is not None else stage_records(snap, ranks.rank, staging)
-    ranks.exchange(None, error, "stage")
+    ranks.check("stage", error)
     return records
 
 
@@ -252,8 +252,7 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
         staging.write(MANIFEST, [written["manifest"]], stable=True)
 
     writer = Writer(staging, ranks.rank, ranks.world_size, records, manifest, getattr(pending, "increment", None))
-    with collective("write", ranks):
-        dcp.save(snap.dcp, storage_writer=writer, planner=SavePlanner(), process_group=ranks.group)
+    saveplan.save(snap.dcp, writer, ranks)
     if ranks.rank != 0:
         return b""
     if "same" in written:
@@ -310,7 +309,7 @@ def _verify(manifest: Manifest | None, manifest_bytes: bytes, ranks: Ranks, tier
             check_holding(tier.own, manifest, manifest_bytes, node_files(manifest, topo.ranks_on(topo.node)), key)
         except (TrainStateError, OSError) as exc:
             error = exc
-    ranks.exchange(None, error, "commit")
+    ranks.check("commit", error)
     return verified_from(manifest, manifest_bytes)
 
 
@@ -354,7 +353,7 @@ def _point(verified: Verified, ranks: Ranks, tier: Tier, key: Any, pointer: str 
         except (TrainStateError, OSError) as exc:
             error = exc
     try:
-        ranks.exchange(None, error, "publish")
+        ranks.check("publish", error)
     except BaseException:
         if topo.is_leader and error is None and previous is not None:
             try:
@@ -395,7 +394,7 @@ def replicate(name: str, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: A
                               [f for s in receives for r in topo.ranks_on(s) for f in rank_files(manifest, r)], key)
             except (TrainStateError, OSError) as exc:
                 error = exc
-        ranks.exchange(None, error, "replicate")
+        ranks.check("replicate", error)
     except BaseException:
         if staging is not None:
             staging.abort()
