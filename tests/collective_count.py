@@ -10,8 +10,9 @@ a change added.
 Bytes are the logical payload (what the collective's semantics move, not gloo's algorithm): a rank sends
 its buffer, and receives every other rank's buffer in an all-gather, the root's in a broadcast, its own
 piece in a scatter; rank 0 receives every rank's buffer in a gather; an all-reduce sends and receives its
-buffer once. A round is one collective call (a point-to-point send or receive counts as a round for the
-two ranks it joins).
+buffer once. A round is one collective call. Point-to-point sends and receives are counted apart, as
+messages and the bytes they move: they carry the chunks a rank needs or serves (its own data), or a record
+too long for its round's room, and involve only the two ranks they join.
 """
 
 from __future__ import annotations
@@ -36,11 +37,16 @@ COLLECTIVES = ("all_gather", "all_gather_into_tensor", "broadcast", "gather", "s
 FILE_CALLS = ("create", "fsync", "fsync_dir", "rename", "replace", "link", "mkdir")
 
 
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+
+
 @dataclasses.dataclass
 class Phase:
-    rounds: int = 0
+    rounds: int = 0  # collectives every rank of the group takes part in
     sent: int = 0
     received: int = 0
+    messages: int = 0  # point-to-point sends and receives: only the two ranks they join take part
+    moved: int = 0  # their bytes (chunks a rank needs or serves, an over-long record), counted apart
     ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -68,8 +74,10 @@ class Tally:
 
     def summary(self) -> dict:
         return {"rounds": self.rounds, "sent": self.sent, "received": self.received, "files": dict(self.files),
-                "phases": {k: {"rounds": p.rounds, "sent": p.sent, "received": p.received, "ops": dict(p.ops)}
-                           for k, p in sorted(self.phases.items())}}
+                "messages": sum(p.messages for p in self.phases.values()),
+                "moved": sum(p.moved for p in self.phases.values()),
+                "phases": {k: {"rounds": p.rounds, "sent": p.sent, "received": p.received, "messages": p.messages,
+                               "moved": p.moved, "ops": dict(p.ops)} for k, p in sorted(self.phases.items())}}
 
     # counting ----------------------------------------------------------------------------------------
     def __enter__(self) -> "Tally":
@@ -115,10 +123,14 @@ class Tally:
         me = dist.get_rank(group) if group is not None else dist.get_rank()
         sent, received = _payload(name, args, kwargs, world, me, group)
         phase = self.phases[_caller()]
+        phase.ops[name] += 1
+        if name in POINT_TO_POINT:
+            phase.messages += 1
+            phase.moved += sent + received
+            return
         phase.rounds += 1
         phase.sent += sent
         phase.received += received
-        phase.ops[name] += 1
 
 
 def _nbytes(value: Any) -> int:

@@ -759,6 +759,9 @@ def collectives(out: Path) -> dict:
         "to_rank0": [ranks.gather(v, "t") for v in ({"rank": r}, big if r == 1 else r, big if r == 0 else [r])]
         == ([[{"rank": i} for i in range(ranks.world_size)], [0, big][: ranks.world_size],
              [big, [1]][: ranks.world_size]] if r == 0 else [None, None, None]),
+        "from_rank0": [ranks.scatter(v if r == 0 else None, "t") for v in (
+            [{"to": i} for i in range(ranks.world_size)], [big if i == 1 else i for i in range(ranks.world_size)])]
+        == [{"to": r}, big if r == 1 else r],
         "failures": [ranks.failures(v, "t") for v in ("", "bad" if r == 1 else "")] == [{}, {1: "bad"}],
         "sum": ranks.sum([1, r, 2 ** 40], "t") == [ranks.world_size, sum(range(ranks.world_size)),
                                                    ranks.world_size * 2 ** 40],

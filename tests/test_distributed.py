@@ -67,7 +67,7 @@ def test_collectives_carry_small_and_large_values_exactly(runs):
     """One round when every value fits the room, a second when one (on one rank only) does not."""
     for result in runs["two"].ok("collectives"):
         assert all(result[k] for k in ("broadcast", "gather_small", "gather_mixed", "gather_edge", "to_rank0",
-                                       "failures", "sum", "bytes")), result
+                                       "from_rank0", "failures", "sum", "bytes")), result
 
 
 def test_close_destroys_the_managers_groups_with_or_without_an_exception(runs):

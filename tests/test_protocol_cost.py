@@ -75,7 +75,7 @@ def growth(small: dict, large: dict, n_small: int, n_large: int) -> list[str]:
     found = []
     for name, tally in (("own", ours), ("dcp", dcp)):
         a, b = tally(small), tally(large)
-        if {k: v["rounds"] for k, v in a.items()} != {k: v["rounds"] for k, v in b.items()}:
+        if {k: v["rounds"] for k, v in a.items() if v["rounds"]} != {k: v["rounds"] for k, v in b.items() if v["rounds"]}:
             found.append(f"{name} rounds by phase: {_by(a, 'rounds')} at {n_small} ranks, {_by(b, 'rounds')} at "
                          f"{n_large}")
         slack = 0 if name == "own" else DCP_SLACK * (n_large - n_small) * max(1, rounds(b))
@@ -91,7 +91,8 @@ def _by(phases: dict, what: str) -> dict:
     return {k: v[what] for k, v in phases.items()}
 
 
-@pytest.mark.parametrize("scenario, op", [("plain", "save"), ("plain", "restore"), ("objects", "save")])
+@pytest.mark.parametrize("scenario, op", [("plain", "save"), ("plain", "restore"), ("objects", "save"),
+                                          ("objects", "restore")])
 def test_every_rank_but_0_pays_the_same_at_2_and_4_ranks(counts, scenario, op):
     for rank in (1,):
         found = growth(counts[2][scenario][rank][op], counts[4][scenario][rank][op], 2, 4)

@@ -135,6 +135,31 @@ class Ranks:
                     out.append(_decoded(buffer))
             return out
 
+    def scatter(self, values: list[Any] | None, phase: str, room: int = ROOM) -> Any:
+        """Rank 0's ``values[r]`` (JSON-able, one per rank) on rank ``r``; ``values`` is read on rank 0 only.
+
+        One round in which each rank receives its own value (O(1) per rank where a broadcast of every rank's
+        value would be O(N)); a value longer than ``room`` follows point to point to its rank, which alone
+        knows from the round's header that it must wait for it."""
+        with collective(phase, self):
+            root = _global_rank(self.group, 0)
+            mine = torch.empty(room + 8, dtype=torch.uint8)
+            if self.rank != 0:
+                dist.scatter(mine, src=root, group=self.group)
+                size = _length(mine)
+                if size <= room:
+                    return _decoded(mine[8:8 + size])
+                buffer = torch.empty(size, dtype=torch.uint8)
+                dist.recv(buffer, src=root, group=self.group)
+                return _decoded(buffer)
+            encoded = [_encode(v) for v in values]
+            dist.scatter(mine, scatter_list=[_framed(d, len(d), room) for d in encoded], src=root, group=self.group)
+            for rank, data in enumerate(encoded):
+                if rank and len(data) > room:
+                    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=_global_rank(self.group, rank),
+                              group=self.group)
+            return values[0]
+
     def failures(self, error: str, phase: str) -> dict[int, str]:
         """Every rank's ``error`` ("" for none) by rank, only where some rank has one: ``{}`` when none does.
 

@@ -4,11 +4,11 @@ A multi-rank restore from an object store reads, on every rank, the global
 files, DCP's metadata and every replicated piece (with DDP: the whole model).
 Downloaded by each rank, that is the generation ``world_size`` times over the
 network. :func:`fetch_together` is one round of a collective fetch: every rank
-says which chunks it needs; each chunk goes to one rank that needs it (the one
-with the fewest bytes so far), which downloads and verifies it; then each rank
-broadcasts what it downloaded to the others over the checkpoint group, and
-every receiver verifies each chunk it keeps against the manifest's digests
-itself: a peer is never trusted, exactly as the store is not.
+says which chunks it needs (to rank 0, which plans); each chunk goes to one rank
+that needs it (the one with the fewest bytes so far), which downloads and
+verifies it, then sends it point to point to each other rank that needs it; every
+receiver verifies each chunk it keeps against the manifest's digests itself: a
+peer is never trusted, exactly as the store is not.
 
 Every rank calls every round, also one whose own part failed (it then asks
 for nothing and says why), so the collectives stay in step; the caller reports
@@ -56,37 +56,90 @@ def raise_unavailable(reports: list[str] | dict[int, str]) -> None:
 
 def fetch_together(fetched: Fetched, manifest: Any, ranks: Ranks, wanted: Wanted, problem: str,
                    assigner: Any = None, more: bool = False, whole: tuple[str, ...] = ()) -> tuple[str, bool]:
-    """One collective round: every chunk some rank wants is downloaded by one of them and shared.
+    """One collective round: every chunk some rank wants is downloaded by one of them and handed to the others.
 
     Returns this rank's problem ("" when every chunk it wanted is now fetched and verified) and whether every
     rank got what it wanted (the same on every rank: when False, all stop this candidate at this round). A
     rank that arrives with a problem takes part without asking for anything. ``assigner``: who fetches which
-    chunk (default :func:`assign`; a tiered restore assigns each chunk to a rank whose node holds the file).
-    ``more``: this rank needs the rounds after this one; ``fetched.more_rounds`` says whether any rank does.
-    ``whole``: files of ``wanted`` (each wanted whole) that this rank may read as it loads instead: of each one
-    that no other rank wants any chunk of, only the first chunk is fetched in this round, and the file goes to
-    ``fetched.direct`` (:func:`read_as_loaded`).
+    chunk (default :func:`assign`). ``more``: this rank needs the rounds after this one; ``fetched.more_rounds``
+    says whether any rank does. ``whole``: files of ``wanted`` (each wanted whole) that this rank may read as it
+    loads instead: of each one that no other rank wants any chunk of, only the first chunk is fetched in this
+    round, and the file goes to ``fetched.direct`` (:func:`read_as_loaded`).
+
+    The asks are gathered to rank 0, which plans and scatters each rank its own orders (what to download, what to
+    send to whom, what to receive from whom): O(1) rounds, and each rank moves only the chunks it needs or serves.
+    Every transfer is point to point; a last round agrees on the outcome.
     """
-    asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted, "more": more,
-                             "whole": [] if problem else list(whole)}, "fetch")
-    fetched.more_rounds = any(a["more"] for a in asks)
-    if any(a["problem"] for a in asks):
+    asks = ranks.gather({"problem": problem, "wanted": {} if problem else wanted, "more": more,
+                         "whole": [] if problem else list(whole)}, "fetch")
+    order = ranks.scatter(orders(asks, manifest, assigner) if ranks.rank == 0 else None, "fetch")
+    fetched.more_rounds = order["more"]
+    if order.get("stop"):
         return problem, False  # someone cannot go on with this candidate: everyone stops here
-    fetched.read_as_loaded(manifest, read_as_loaded(asks)[ranks.rank])
+    fetched.read_as_loaded(manifest, set(order.get("direct", ())))
+    if "fetch" not in order:
+        return "", True  # nothing to download anywhere: the round ends here, every rank alike
+    error = _transfer(fetched, manifest, ranks, order)
+    failed = ranks.failures(error, "fetch")
+    return error, not failed
+
+
+def orders(asks: list[dict], manifest: Any, assigner: Any = None) -> list[dict]:
+    """Rank 0: each rank's orders for one round of :func:`fetch_together`, from every rank's ask."""
+    more = any(a["more"] for a in asks)
+    if any(a["problem"] for a in asks):
+        return [{"more": more, "stop": True}] * len(asks)
+    direct = read_as_loaded(asks)
     if not any(a["wanted"] for a in asks):
-        return "", True  # nothing to download: the round ends here, every rank alike
+        return [{"more": more, "direct": sorted(d)} for d in direct]
     plan = (assigner or assign)([a["wanted"] for a in asks], manifest)
-    error = ""
-    try:
-        for name, chunks in plan[ranks.rank].items():
-            fetched.fetch_chunks(manifest, name, chunks)
-    except (CorruptGeneration, OSError) as exc:
-        error = problem_of(exc)
-    if any(ranks.all_gather(error, "fetch")):
-        return error, False
-    for source in range(ranks.world_size):
-        error = _share(fetched, manifest, ranks, source, plan[source], asks) or error
-    return error, not any(ranks.all_gather(error, "fetch"))
+    out = [{"more": more, "direct": sorted(d), "fetch": p, "send": [], "receive": []} for d, p in zip(direct, plan)]
+    for source, served in enumerate(plan):
+        for name, chunks in sorted(served.items()):
+            for index in chunks:
+                to = [r for r, a in enumerate(asks) if r != source and index in a["wanted"].get(name, ())]
+                if to:
+                    out[source]["send"].append([name, index, to])
+                    for receiver in to:
+                        out[receiver]["receive"].append([name, index, source])
+    return out
+
+
+def _transfer(fetched: Fetched, manifest: Any, ranks: Ranks, order: dict) -> str:
+    """This rank's part of one round: post every receive, download and verify its own chunks, send each to the
+    ranks that want it (zeros for one it could not fetch, which each receiver then rejects: no transfer waits on
+    another), then verify each chunk received as it arrives. Returns this rank's problem ("" for none)."""
+    problem = ""
+    peer = lambda rank: _global_rank(ranks.group, rank)  # noqa: E731
+    with collective("fetch", ranks):
+        receiving = []
+        for name, index, source in order["receive"]:
+            buffer = torch.empty(_chunk_size(manifest, name, index), dtype=torch.uint8)
+            receiving.append((name, index, source, buffer, dist.irecv(buffer, src=peer(source), group=ranks.group)
+                              if len(buffer) else None))
+        try:
+            for name, chunks in order["fetch"].items():
+                fetched.fetch_chunks(manifest, name, chunks)
+        except (CorruptGeneration, OSError) as exc:
+            problem = problem_of(exc)
+        sending = []
+        for name, index, to in order["send"]:
+            try:
+                data = chunk_tensor(fetched.chunk(manifest, name, index))
+            except KeyError:  # not fetched (the failure above): zeros, which the receivers reject
+                data = torch.zeros(_chunk_size(manifest, name, index), dtype=torch.uint8)
+            for receiver in to if len(data) else ():
+                sending.append((dist.isend(data, dst=peer(receiver), group=ranks.group), data))
+        for name, index, source, buffer, work in receiving:
+            if work is not None:
+                work.wait()
+            try:
+                fetched.put_chunk(manifest, name, index, memoryview(buffer.numpy()))
+            except CorruptGeneration as exc:
+                problem = problem or f"{exc} (as rank {source} handed it over)"
+        for work, _ in sending:
+            work.wait()
+    return problem
 
 
 def read_as_loaded(asks: list[dict]) -> list[set[str]]:
@@ -124,36 +177,6 @@ def assign(wants: list[Wanted], manifest: Any) -> list[Wanted]:
 def _chunk_size(manifest: Any, name: str, index: int) -> int:
     size = manifest.file(name).size
     return size if not manifest.file(name).chunks else min(CHUNK_BYTES, size - index * CHUNK_BYTES)
-
-
-def _share(fetched: Fetched, manifest: Any, ranks: Ranks, source: int, served: Wanted, asks: list[dict]) -> str:
-    """``source`` broadcasts the chunks it downloaded that another rank wants, one broadcast per chunk straight
-    from the memory it verified them in (no copy); the others keep theirs, each verified as it arrives while the
-    next ones are still in flight."""
-    wanted_by_others = [(name, index) for name, chunks in sorted(served.items()) for index in chunks
-                        if any(index in a["wanted"].get(name, ()) for r, a in enumerate(asks) if r != source)]
-    if not wanted_by_others:
-        return ""
-    sizes = [_chunk_size(manifest, name, index) for name, index in wanted_by_others]
-    sending = ranks.rank == source
-    mine = asks[ranks.rank]["wanted"]
-    problem = ""
-    with collective("fetch", ranks):
-        buffers = [chunk_tensor(fetched.chunk(manifest, name, index)) if sending else torch.empty(size, dtype=torch.uint8)
-                   for (name, index), size in zip(wanted_by_others, sizes)]
-        src = _global_rank(ranks.group, source)
-        works = [dist.broadcast(b, src=src, group=ranks.group, async_op=True) if size else None
-                 for b, size in zip(buffers, sizes)]
-        for (name, index), buffer, work in zip(wanted_by_others, buffers, works):
-            if work is not None:
-                work.wait()
-            if sending or index not in mine.get(name, ()):
-                continue
-            try:
-                fetched.put_chunk(manifest, name, index, memoryview(buffer.numpy()))
-            except CorruptGeneration as exc:
-                problem = problem or f"{exc} (as rank {source} handed it over)"
-    return problem
 
 
 def chunk_tensor(view: memoryview) -> torch.Tensor:

@@ -149,29 +149,48 @@ class Holdings(Fetched):
     def together(self, fetched: Fetched, manifest: Any, ranks: Ranks, wanted: dict, problem: str,
                  more: bool = False) -> tuple[str, bool]:
         """One collective round: every rank gets the chunks it wants, verified; (problem, every rank's ok).
-        ``more``: as :func:`.share.fetch_together`'s."""
+        ``more``: as :func:`.share.fetch_together`'s. The asks are gathered to rank 0, which plans and scatters
+        each rank its own part (O(1) rounds; each rank moves only what it needs or serves); the outcome is
+        gathered to rank 0 and its verdict broadcast, with the copies found damaged when there are any."""
         while True:
-            asks = ranks.all_gather({"problem": problem, "wanted": {} if problem else wanted, "more": more}, "fetch")
-            fetched.more_rounds = any(a["more"] for a in asks)
-            if any(a["problem"] for a in asks):
+            asks = ranks.gather({"problem": problem, "wanted": {} if problem else wanted, "more": more}, "fetch")
+            order = ranks.scatter(self._orders(asks) if ranks.rank == 0 else None, "fetch")
+            fetched.more_rounds = order["more"]
+            if order.get("stop"):
                 return problem, False
-            if not any(a["wanted"] for a in asks):
+            if "reads" not in order:
                 return "", True  # nothing to hand over: the round ends here, every rank alike
-            reads, relays, sends = self._plan([a["wanted"] for a in asks])
-            bad, error = _exchange(self, fetched, manifest, ranks, reads[ranks.rank], relays[ranks.rank], sends)
-            reports = ranks.all_gather({"bad": bad, "error": error}, "fetch")
-            if any(r["error"].startswith(UNAVAILABLE) for r in reports):
+            bad, error = _exchange(self, fetched, manifest, ranks, order["reads"], order["relays"], order["sends"])
+            reports = ranks.gather({"bad": bad, "error": error}, "fetch")
+            verdict = ranks.broadcast(_verdict(reports) if ranks.rank == 0 else None, "fetch")
+            if verdict.get("unavailable"):
                 return error, False  # the remote did not answer: no copy is to blame, and none is passed over
-            if not any(r["bad"] for r in reports):
+            if not verdict.get("bad"):
                 return "", True
+            reports = verdict["bad"]
             gone = self._drop_damaged(reports, manifest)
             if gone and self._consult_remote(manifest, ranks):
                 gone = [name for name in gone if name not in self.holders["remote"]]
             if gone:
-                return next(r["error"] for r in reports if r["bad"]) + f"; no other source holds {gone[0]}", False
+                return reports[0]["error"] + f"; no other source holds {gone[0]}", False
             missing = {name: set(fetched.missing(manifest, name)) for name in wanted}  # again, from the copies left
             wanted = {name: kept for name, chunks in wanted.items()
                       if (kept := [i for i in chunks if i in missing[name]])}
+
+    def _orders(self, asks: list[dict]) -> list[dict]:
+        """Rank 0: each rank's part of one round (what to read to keep, what to read only to send, the transfers it
+        takes part in, in the plan's order), from every rank's ask."""
+        more = any(a["more"] for a in asks)
+        if any(a["problem"] for a in asks):
+            return [{"more": more, "stop": True}] * len(asks)
+        if not any(a["wanted"] for a in asks):
+            return [{"more": more}] * len(asks)
+        reads, relays, sends = self._plan([a["wanted"] for a in asks])
+        out = [{"more": more, "reads": r, "relays": rel, "sends": []} for r, rel in zip(reads, relays)]
+        for source, receiver, chunks in sends:
+            out[source]["sends"].append([source, receiver, chunks])
+            out[receiver]["sends"].append([source, receiver, chunks])
+        return out
 
     def _plan(self, wants: list[dict]) -> tuple[list[dict], list[dict], list[tuple[int, int, list[tuple]]]]:
         """Who reads which chunk to keep (``reads``, verified), who reads one only to send it (``relays``, verified
@@ -243,6 +262,14 @@ class Holdings(Fetched):
             if held is not None and where != "remote":
                 self.damaged.add((where, name, held[1]))
         return sorted({name for _, name in copies if not any(name in f for f in self.holders.values())})
+
+
+def _verdict(reports: list[dict]) -> dict:
+    """Rank 0: the outcome of one round from every rank's report: the remote did not answer, or the reports that
+    name damaged copies (every rank drops them, so the holdings stay the same everywhere), or done."""
+    if any(r["error"].startswith(UNAVAILABLE) for r in reports):
+        return {"unavailable": True}
+    return {"bad": [r for r in reports if r["bad"]]}
 
 
 def _exchange(view: Holdings, fetched: Fetched, manifest: Any, ranks: Ranks, reads: dict, relays: dict,
