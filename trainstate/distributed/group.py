@@ -379,7 +379,37 @@ def checkpoint_groups(group: Any, timeout_s: float) -> tuple[Ranks, Ranks]:
     opens each save) and the writer's."""
     joining = join_timeout(timeout_s)
     members = None if group is None else dist.get_process_group_ranks(group)
-    made = [dist.new_group(ranks=members, backend="gloo", timeout=datetime.timedelta(seconds=seconds),
-                           use_local_synchronization=False) for seconds in (timeout_s, timeout_s, joining)]
+    def made(seconds: float) -> Any:
+        return dist.new_group(ranks=members, backend="gloo", timeout=datetime.timedelta(seconds=seconds),
+                              use_local_synchronization=False)
+
+    with _lazy_connections():
+        made = [made(seconds) for seconds in (timeout_s, timeout_s, joining)]
+    # the join's monitored barrier must name a rank that stays away within the join timeout; a first connection to
+    # that rank would instead wait out gloo's connect timeout, saying nothing. Its connections (rank 0 to each rank,
+    # the barrier's only ones) are made now, by one gather
+    probe = torch.zeros(1, dtype=torch.uint8)
+    root = _global_rank(made[2], 0)
+    dist.gather(probe, gather_list=[torch.zeros(1, dtype=torch.uint8) for _ in range(dist.get_world_size(made[2]))]
+                if dist.get_rank(made[2]) == 0 else None, dst=root, group=made[2])
     rank, world = dist.get_rank(made[0]), dist.get_world_size(made[0])
     return Ranks(rank, world, made[0], timeout_s, made[2], joining), Ranks(rank, world, made[1], timeout_s)
+
+
+LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+
+
+@contextlib.contextmanager
+def _lazy_connections() -> Iterator[None]:
+    """Gloo groups made here connect each pair of ranks at its first message, not all pairs at once: the checkpoint
+    rounds are rank 0's gathers, broadcasts and scatters, so a rank other than 0 talks to a few peers, and the
+    N(N-1) connections of two more eager full meshes (tens of milliseconds per rank at 8 ranks, seconds at
+    thousands) are never made. A ``TORCH_GLOO_LAZY_INIT`` the user set is left as it is."""
+    if LAZY_ENV in os.environ:
+        yield
+        return
+    os.environ[LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_ENV, None)
