@@ -8,6 +8,7 @@ what follows it on the writer thread: replicas, an upload) and one restore into 
 - ``objects``: an ``s3://`` URL (``$TRAINSTATE_TEST_S3``) on a loopback server;
 - ``tiered``: node-local tiers, each rank a node of its own (``node=rank``) with its own directory, two replicas
   (waited for) and no remote: the restore finds every disk intact;
+- ``tiny_shards``: a layer with fewer rows than ranks (empty FSDP2 shards, which no rank writes), restored bitwise;
 - ``control_gather``: the negative control: the plain save plus one round in which every rank receives every
   rank's record (``Ranks.all_gather``, the shape of the protocol before this count), which the test must catch.
 """
@@ -25,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import trainstate as ts  # noqa: E402
 from collective_count import Tally  # noqa: E402
-from dist_worker import TIMEOUT_S, build, main, scenario, train  # noqa: E402
+import torch  # noqa: E402
+
+from dist_worker import TIMEOUT_S, build, full_state, main, scenario, train  # noqa: E402
 
 
 def _counted(make, extra=None) -> dict:
@@ -66,6 +69,40 @@ def tiered(out: Path) -> dict:
     rank = dist.get_rank()
     return _counted(lambda: ts.CheckpointManager(out / f"node{rank}", keep_last=2, replicas=2, node=rank,
                                                  wait_replicas=True, collective_timeout_s=TIMEOUT_S))
+
+
+@scenario
+def tiny_shards(out: Path) -> dict:
+    """A layer with fewer rows than ranks: FSDP2 leaves the ranks past its rows an empty shard, which no rank
+    writes; the restore into fresh objects is bitwise all the same."""
+    from torch.distributed.fsdp import fully_shard
+
+    def made(seed: int) -> ts.TrainState:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Linear(3, 1))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return ts.TrainState(model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2))
+
+    state = made(0)
+    for _ in range(2):
+        state["model"](torch.randn(4, 8)).pow(2).mean().backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+        state["scheduler"].step()
+        state.next_update += 1
+    with ts.CheckpointManager(out / "run", collective_timeout_s=TIMEOUT_S) as ckpt:
+        ckpt.save(state)
+    fresh = made(1)
+    before, other = full_state(state), full_state(fresh)
+    with ts.CheckpointManager(out / "run", collective_timeout_s=TIMEOUT_S) as ckpt:
+        ckpt.restore(fresh)
+    after = full_state(fresh)
+    return {"bitwise": sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before),
+            "differed_before": any(not torch.equal(before[k], other[k]) for k in before if k.startswith("model.")),
+            "tensors": len(before)}
 
 
 @scenario

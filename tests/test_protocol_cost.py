@@ -30,7 +30,7 @@ from objectservers import moto_server  # noqa: F401  (fixture)
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).resolve().parent / "protocol_worker.py"
-SCENARIOS = ["plain", "objects", "tiered", "control_gather"]
+SCENARIOS = ["plain", "objects", "tiered", "tiny_shards", "control_gather"]
 DCP_SLACK = 64  # bytes per rank added to a non-zero rank's receipts by DCP's size all-gathers (8 per rank per round)
 
 # rounds of one steady save and one restore, by scenario, on every rank: (trainstate's own, DCP's)
@@ -116,6 +116,14 @@ def test_rank_0_receives_a_constant_record_per_rank(counts, scenario):
         at = {n: received(ours(counts[n][scenario][0][op])) for n in (2, 4)}
         per_rank = (at[4] - at[2]) / 2
         assert per_rank <= 16 << 10, f"{scenario} {op}: rank 0 receives {per_rank:.0f} more bytes per rank ({at})"
+
+
+def test_a_layer_with_fewer_rows_than_ranks_restores_bitwise(counts):
+    """At 4 ranks FSDP2 leaves the ranks past a layer's rows empty shards, which no rank writes (DCP kept one of
+    them; writing each would be half the items of a 7B model at 8,192 ranks)."""
+    for n in (2, 4):
+        for result in counts[n]["tiny_shards"]:
+            assert result["bitwise"] and result["differed_before"], result
 
 
 def test_control_a_round_that_hands_every_rank_every_record_is_caught(counts):

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 from ..errors import (CheckpointFailed, CorruptGeneration, NoValidGeneration, PointerRollback, Rejection,
                       StateMismatch, TrainStateError)
 from ..records import GenerationInfo, RestoreInfo
+from ..format.manifest import MAX_DCP_METADATA_BYTES
 from ..lifecycle.candidates import Candidates, candidates, check_run, expected_run
 from ..restore import HeldFiles, continue_lineage
 from ..state.usable import mark_unusable, mark_usable, telling_unusable, unusable
@@ -270,7 +271,7 @@ def _read(held: HeldFiles, manifest: Any, ranks: Ranks | None) -> dict:
     records = {r: rank_record(held, manifest, r) for r in wanted}
     decoded = held.metadata if isinstance(held, Fetched) else None  # decoded by the fetch that planned the reads
     metadata = decoded[1] if decoded and decoded[0] == name else \
-        metadata_from_json(read_json_file(held, manifest, DCP_METADATA), f"{name}/{DCP_METADATA}",
+        metadata_from_json(read_json_file(held, manifest, DCP_METADATA, MAX_DCP_METADATA_BYTES), f"{name}/{DCP_METADATA}",
                            {f.name for f in manifest.files if f.name.startswith("shard-")})
     return {"payload": payload, "sharded": sharded, "records": records, "metadata": metadata}
 

@@ -10,6 +10,7 @@ it writes, so that nothing needs deciding together before the writes:
 
 - a DTensor's chunk: the one rank among those holding it (the ranks that differ only
   in the mesh dimensions where it is replicated) whose coordinate is 0 on each of them;
+  an empty chunk (a rank past the last of a tensor's rows) is not written at all;
 - a tensor or value every rank holds (replicated: ``capture`` checked they are equal):
   a small one (``SMALL_BYTES``) by rank 0, so that every rank that loads them reads one
   small file; a larger one by the rank a size-balanced assignment names, the same
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import CheckpointFailed, StateMismatch, TrainStateError
 from ..format import tensorfile
 from ..format.manifest import FileRecord
-from .group import Ranks
+from .group import Ranks, paused_gc
 from .planner import SavePlanner
 from .storage import SMALL_BYTES, Writer
 
@@ -75,7 +76,8 @@ def write(state_dict: dict[str, Any], writer: Writer, ranks: Ranks,
     failed = {r: e["error"] for r, e in enumerate(every) if e["error"]}
     if not failed:
         try:
-            finish(writer, [e["piece"] for e in every])
+            with paused_gc():
+                finish(writer, [e["piece"] for e in every])
         except (TrainStateError, OSError, ValueError) as exc:
             failed, error = {0: f"{type(exc).__name__}: {exc}"[:1000]}, exc
     return dict(list(failed.items())[:64]), error
@@ -97,9 +99,11 @@ def own_items(planner: SavePlanner, plan: SavePlan, ranks: Ranks) -> list[WriteI
     mine, replicated = [], []
     for item in plan.items:
         value = planner.state_dict.get(item.index.fqn)
-        if isinstance(value, DTensor):
-            if _first_replica(value):
-                mine.append(item)
+        if isinstance(value, DTensor) and value.numel() == 0:
+            replicated.append(item)  # an empty tensor: every rank holds the same empty chunk
+        elif isinstance(value, DTensor):
+            if _first_replica(value) and _size(item, elements=True):
+                mine.append(item)  # (the empty chunk of a rank past a tensor's rows holds nothing: not written)
         else:
             replicated.append(item)
     owner = assign_replicated(replicated, ranks.world_size)
@@ -122,13 +126,14 @@ def _index_key(index: MetadataIndex) -> tuple:
     return index.fqn, tuple(index.offset or ())
 
 
-def _size(item: WriteItem) -> int:
+def _size(item: WriteItem, elements: bool = False) -> int:
+    """The bytes of an item's chunk (``elements``: its number of elements)."""
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 0
     numel = 1
     for s in item.tensor_data.chunk.sizes:
         numel *= int(s)
-    return numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return numel if elements else numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
 
 
 def assign_replicated(items: list[WriteItem], world_size: int) -> dict[tuple, int]:

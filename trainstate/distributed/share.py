@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..errors import CorruptGeneration, StorageUnavailable
 from ..format import tensorfile
 from ..format.digest import CHUNK_BYTES
-from ..format.manifest import STATE
+from ..format.manifest import MAX_DCP_METADATA_BYTES, STATE
 from ..storage.fetched import Fetched
 from ..storage.verify import read_json_file
 from .commit import rank_json, rank_tensors
@@ -245,7 +245,7 @@ def _want_records(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict
 def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates: dict | None,
                         state: dict) -> dict[str, list[int]]:
     shards = [f.name for f in manifest.files if f.name.startswith("shard-")]
-    metadata = metadata_from_json(read_json_file(fetched, manifest, DCP_METADATA),
+    metadata = metadata_from_json(read_json_file(fetched, manifest, DCP_METADATA, MAX_DCP_METADATA_BYTES),
                                   f"{manifest.generation}/{DCP_METADATA}", set(shards))
     fetched.metadata = (manifest.generation, metadata)
     state["needed"] = needed = _planned_entries(fetched, manifest.generation, templates, metadata, ranks.rank) \

@@ -34,13 +34,11 @@ Call order (DCP drives it; "coordinator" is rank 0):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import io
 import json
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +55,7 @@ from ..format.digest import CHUNK_BYTES
 from ..format.manifest import FileRecord
 from ..lifecycle.incremental import manifest_fields
 from ..storage import chunked
+from .group import paused_gc
 from .increments import ShardPlan, shard_file
 
 DCP_METADATA = "dcp-metadata.json"
@@ -85,25 +84,13 @@ def entry_name(index: MetadataIndex) -> str:
 
 
 # metadata <-> JSON -------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic collector off while a few million acyclic containers are built (DCP's metadata of thousands of
-    ranks): each of its full passes walks every live object of the process, a large part of the time otherwise."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
 
 def _storage_order(record: list) -> list:
     return record[1] or []
 
 
 def metadata_to_json(metadata: Metadata) -> bytes:
-    with _gc_paused():
+    with paused_gc():
         items: dict[str, Any] = {}
         for fqn, item in metadata.state_dict_metadata.items():
             if isinstance(item, BytesStorageMetadata):
@@ -133,7 +120,7 @@ def metadata_to_json(metadata: Metadata) -> bytes:
 
 def metadata_from_json(raw: dict, where: str, files: set[str]) -> Metadata:
     """DCP's ``Metadata`` from its parsed JSON, checking every field; ``files``: the shard files the manifest lists."""
-    with _gc_paused():
+    with paused_gc():
         return _metadata_from_json(raw, where, files)
 
 

@@ -382,14 +382,15 @@ def _read_verified_state(store: Store, manifest: Manifest) -> dict[str, Any]:
     return state
 
 
-def read_json_file(store: Store, manifest: Manifest, name: str) -> dict[str, Any]:
-    """A JSON file of a structurally verified generation, its digest checked against the manifest."""
+def read_json_file(store: Store, manifest: Manifest, name: str, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    """A JSON file of a structurally verified generation, its digest checked against the manifest; ``limit``: the
+    most bytes it may hold (DCP's metadata, which grows with the ranks, has a limit of its own)."""
     record = manifest.file(name)
     where = f"{manifest.generation}/{name}"
-    data = _read_limited(store, manifest.generation, name, min(record.size, MAX_JSON_BYTES))
+    data = _read_limited(store, manifest.generation, name, min(record.size, limit))
     if len(data) != record.size or digest_bytes(manifest.digest_algorithm, data) != record.digest:
         raise CorruptGeneration(where, f"{manifest.digest_algorithm} digest mismatch (content changed)")
-    return load_json(data, where)
+    return load_json(data, where, limit)
 
 
 def read_tensors(store: Store, manifest: Manifest, name: str) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CorruptGeneration, InvalidArgument, NoValidGeneration, StateMismatch
 from ..format import signing, tensorfile
-from ..format.manifest import MANIFEST, Manifest, parse_generation_name
+from ..format.manifest import MANIFEST, MAX_DCP_METADATA_BYTES, Manifest, parse_generation_name
 from ..format.signing import SigningKey
 from ..lifecycle.candidates import recovery_point
 from ..restore import HeldFiles
@@ -299,7 +299,7 @@ def _plan_sharded(src: Source) -> None:
     manifest, name = src.manifest, src.manifest.generation
     where = f"{name}/{DCP_METADATA}"
     shards = {f.name for f in manifest.files if f.name.startswith("shard-")}
-    items = dcp_items(read_json_file(src.store, manifest, DCP_METADATA), where, shards)
+    items = dcp_items(read_json_file(src.store, manifest, DCP_METADATA, MAX_DCP_METADATA_BYTES), where, shards)
     layouts: dict[str, tuple[tensorfile.Layout, dict[str, tensorfile.Entry]]] = {}
     planned: dict[str, Spec] = {}
     others = []
