@@ -114,7 +114,7 @@ def _transfer(fetched: Fetched, manifest: Any, ranks: Ranks, order: dict) -> str
     with collective("fetch", ranks):
         receiving = []
         for name, index, source in order["receive"]:
-            buffer = torch.empty(_chunk_size(manifest, name, index), dtype=torch.uint8)
+            buffer = torch.empty(chunk_bytes(manifest, name, index), dtype=torch.uint8)
             receiving.append((name, index, source, buffer, dist.irecv(buffer, src=peer(source), group=ranks.group)
                               if len(buffer) else None))
         try:
@@ -127,7 +127,7 @@ def _transfer(fetched: Fetched, manifest: Any, ranks: Ranks, order: dict) -> str
             try:
                 data = chunk_tensor(fetched.chunk(manifest, name, index))
             except KeyError:  # not fetched (the failure above): zeros, which the receivers reject
-                data = torch.zeros(_chunk_size(manifest, name, index), dtype=torch.uint8)
+                data = torch.zeros(chunk_bytes(manifest, name, index), dtype=torch.uint8)
             for receiver in to if len(data) else ():
                 sending.append((dist.isend(data, dst=peer(receiver), group=ranks.group), data))
         for name, index, source, buffer, work in receiving:
@@ -169,14 +169,15 @@ def assign(wants: list[Wanted], manifest: Any) -> list[Wanted]:
     plan: list[Wanted] = [{} for _ in wants]
     for (name, index), ranks in sorted(needers.items()):
         rank = min(ranks, key=lambda r: (load[r], r))
-        load[rank] += _chunk_size(manifest, name, index)
+        load[rank] += chunk_bytes(manifest, name, index)
         plan[rank].setdefault(name, []).append(index)
     return plan
 
 
-def _chunk_size(manifest: Any, name: str, index: int) -> int:
-    size = manifest.file(name).size
-    return size if not manifest.file(name).chunks else min(CHUNK_BYTES, size - index * CHUNK_BYTES)
+def chunk_bytes(manifest: Any, name: str, index: int) -> int:
+    """The bytes of chunk ``index`` of file ``name`` (of an older format's unchunked file: the whole file)."""
+    record = manifest.file(name)
+    return record.size if not record.chunks else min(CHUNK_BYTES, record.size - index * CHUNK_BYTES)
 
 
 def chunk_tensor(view: memoryview) -> torch.Tensor:

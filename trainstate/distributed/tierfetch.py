@@ -39,16 +39,11 @@ from ..format.digest import CHUNK_BYTES
 from ..format.manifest import MANIFEST
 from ..storage.fetched import Fetched
 from .group import Ranks, _global_rank, collective
-from .share import UNAVAILABLE, chunk_tensor, problem_of
+from .share import UNAVAILABLE, chunk_bytes, chunk_tensor, problem_of
 from .tiers import Tier
 
 log = logging.getLogger("trainstate")
 Chunk = tuple[str, int]  # (file, chunk index)
-
-
-def chunk_bytes(manifest: Any, name: str, index: int) -> int:
-    record = manifest.file(name)
-    return record.size if not record.chunks else min(CHUNK_BYTES, record.size - index * CHUNK_BYTES)
 
 
 class _NodeDisk:
