@@ -449,21 +449,48 @@ def piece(spec: Spec, r: int, owner: dict, records: Records, rank_files: list[Fi
     return group_mod._encode({"piece": saveplan.describe(plan, results, rank_files, spec.mapping), "error": ""})
 
 
-def save_side(n: int, workdir: Path, model: str = "7b", memory: str = "rss", other: int = 1) -> dict:
-    """Rank 0's part of one save at ``n`` ranks through ``saveplan.write`` (and what rank ``other`` computes, sends
-    and receives); writes a real generation under ``workdir``: the manifest, dcp-metadata.json, rank 0's and rank
-    ``other``'s records."""
-    meter, out = Meter(memory), {"n_ranks": n, "model": model, "memory": memory}
+def _rank0_writer(store: Any, staging: Any, name: str, n: int, rank_files: list[FileRecord], clock: Clock,
+                  done: dict) -> Any:
+    """Rank 0's ``storage.Writer`` into ``staging``, every write timed by ``clock``; its finish builds, encodes and
+    writes the manifest and commits, as ``commit._write`` does (the manifest's bytes and files into ``done``)."""
+    timed = _TimedStaging(staging, clock)
+    pending = Pending(name, "full", 1000, None, {}, {}, {
+        "data": {}, "metrics": {}, "retention": {"keep_last": 3, "keep_last_weights": None, "milestone_every": None,
+                                                 "best": None},
+        "lineage": [["0123456789abcdef", None]], "run": "0" * 32})
+    snap = SimpleNamespace(global_skeleton=global_skeleton(n))
+
+    def on_finish(data: bytes, every_file: list[FileRecord], incremental: dict) -> None:  # commit._write's commit
+        manifest = clock.wrap("build_manifest", commit_mod.build_manifest)(
+            snap, pending, n, store.digest_algorithm, every_file, incremental)
+        done["manifest"] = clock.wrap("to_bytes", manifest.to_bytes)(None)
+        done["files"] = len(manifest.files)
+        timed.write(MANIFEST, [done["manifest"]])
+        clock.wrap("commit", staging.commit)()
+
+    return storage_mod.Writer(timed, 0, n, rank_files, on_finish)
+
+
+def _setting(n: int, workdir: Path, model: str, other: int, out: dict) -> tuple:
+    """A save's store and staging under ``workdir``, the model's spec, generated records, and rank 0's and rank
+    ``other``'s per-rank files written for real."""
     store = LocalStore(workdir / f"run-{n}", CHUNKED)
     name = generation_name(1000)
     staging = store.begin(name)
     out["store"], out["generation"] = str(store.root), name
+    real = {r: staged_rank_files(staging, r, n) for r in sorted({0, other})}
+    return store, name, staging, Spec(n, model), Records(), real
+
+
+def save_side(n: int, workdir: Path, model: str = "7b", memory: str = "rss", other: int = 1) -> dict:
+    """Rank 0's part of one save at ``n`` ranks through ``saveplan.write`` (and what rank ``other`` computes, sends
+    and receives); writes a real generation under ``workdir``: the manifest, dcp-metadata.json, rank 0's and rank
+    ``other``'s records."""
+    meter, out = Meter(memory), {"n_ranks": n, "model": model, "memory": memory, "path": "listed"}
+    store, name, staging, spec, records, real = _setting(n, workdir, model, other, out)
 
     # inputs: every rank's piece of the gather, as rank 0 receives them (the other ranks' work, not measured) ----
     start = time.perf_counter()
-    spec = Spec(n, model)
-    records = Records()
-    real = {r: staged_rank_files(staging, r, n) for r in sorted({0, other})}
     tensors_size, json_size = real[other][0].size, real[other][1].size
     replicated = replicated_items(spec)
     owner = saveplan.assign_replicated(replicated, n)
@@ -492,8 +519,8 @@ def save_side(n: int, workdir: Path, model: str = "7b", memory: str = "rss", oth
     largest = max(len(f) for f in frames)
     out["traffic"] = {
         "piece_bytes_other": len(sent),
-        "sent_bytes_per_rank": 8 + largest + 8,  # the all-reduce of the largest, then its frame padded to it
-        "received_bytes_per_rank": 8 + group_mod.ROOM + 8,  # the largest size; the outcome's broadcast frame
+        "sent_bytes_per_rank": 5 * 8 + largest + 8,  # the all-reduce (sizes, stamp), then its frame padded
+        "received_bytes_per_rank": 5 * 8 + group_mod.ROOM + 8,  # the all-reduce; the outcome's broadcast frame
         "gathered_bytes_rank0": n * (largest + 8)}
 
     # 1. rank 0 decodes the gather -----------------------------------------------------------------------------
@@ -502,24 +529,8 @@ def save_side(n: int, workdir: Path, model: str = "7b", memory: str = "rss", oth
     del frames
 
     # 2. rank 0: DCP's metadata from the pieces (saveplan.finish), then Writer.finish --------------------------
-    clock = Clock()
-    timed = _TimedStaging(staging, clock)
-    pending = Pending(name, "full", 1000, None, {}, {}, {
-        "data": {}, "metrics": {}, "retention": {"keep_last": 3, "keep_last_weights": None, "milestone_every": None,
-                                                 "best": None},
-        "lineage": [["0123456789abcdef", None]], "run": "0" * 32})
-    snap = SimpleNamespace(global_skeleton=global_skeleton(n))
-    done: dict[str, Any] = {}
-
-    def on_finish(data: bytes, every_file: list[FileRecord], incremental: dict) -> None:  # commit._write's commit
-        manifest = clock.wrap("build_manifest", commit_mod.build_manifest)(
-            snap, pending, n, store.digest_algorithm, every_file, incremental)
-        done["manifest"] = clock.wrap("to_bytes", manifest.to_bytes)(None)
-        done["files"] = len(manifest.files)
-        timed.write(MANIFEST, [done["manifest"]])
-        clock.wrap("commit", staging.commit)()
-
-    writer0 = storage_mod.Writer(timed, 0, n, real[0], on_finish)
+    clock, done = Clock(), {}
+    writer0 = _rank0_writer(store, staging, name, n, real[0], clock, done)
     writer_finish = writer0.finish
 
     def finish(metadata: Any, results: list) -> None:  # what saveplan.finish hands the writer, counted
@@ -543,9 +554,14 @@ def save_side(n: int, workdir: Path, model: str = "7b", memory: str = "rss", oth
     meter.phases["finish"].update(spent)
     meter.phases["finish"]["metadata_build"] = round(total - spent["Writer.finish"], 4)
     del every, writer0
-    manifest_bytes = done["manifest"]
     out["counts"] = {"items_written_total": done["results"], "storage_records": done["distinct"],
                      "metadata_keys": done["keys"], "metadata_chunks": done["chunks"]}
+    return _written(out, meter, store, name, done, json_size, tensors_size)
+
+
+def _written(out: dict, meter: Meter, store: Any, name: str, done: dict, json_size: int, tensors_size: int) -> dict:
+    """``out`` with the sizes of what rank 0 wrote and its phases (its added time: the decode and the finish)."""
+    manifest_bytes = done["manifest"]
     out["sizes"] = {"manifest_bytes": len(manifest_bytes),
                     "dcp_metadata_bytes": os.path.getsize(store.path(name, storage_mod.DCP_METADATA)),
                     "rank_json_bytes": json_size, "rank_tensors_bytes": tensors_size,
@@ -553,6 +569,93 @@ def save_side(n: int, workdir: Path, model: str = "7b", memory: str = "rss", oth
     out["phases"] = meter.phases
     out["rank0_added_cpu_s"] = round(meter.phases["gather_decode"]["cpu_s"] + meter.phases["finish"]["cpu_s"], 4)
     return out
+
+
+def spec_rule(spec: Spec, owner: dict) -> dict:
+    """The rule (``format/shardrule.py``) every rank's ``saveplan.rule_of`` gives for this model: each parameter and
+    moment ``Shard(0)`` on the 1-D mesh of N, each step counter and param-group value written whole by its owner."""
+    items: dict[str, dict] = {}
+    for item in spec.items(0):
+        fqn = item.index.fqn
+        if item.type == WriteItemType.BYTE_IO:
+            items[fqn] = {"bytes": True, "writer": 0, "small": spec.group_bytes[fqn] <= storage_mod.SMALL_BYTES}
+        elif item.type == WriteItemType.SHARD:
+            items[fqn] = {"dtype": "float32", "requires_grad": False, "size": list(item.tensor_data.size), "mesh": 0,
+                          "placements": [["shard", 0]]}
+        else:
+            items[fqn] = {"dtype": "float32", "requires_grad": False, "size": [], "writer": owner[saveplan._key(item)],
+                          "small": spec.nbytes(item) <= storage_mod.SMALL_BYTES}
+    return {"world_size": spec.n, "small_bytes": storage_mod.SMALL_BYTES,
+            "meshes": [{"shape": [spec.n], "ranks": list(range(spec.n))}], "items": items}
+
+
+def rule_piece(rule: dict | None, r: int, results: list[WriteResult], rank_files: list[FileRecord]) -> bytes:
+    """What rank ``r`` sends rank 0 when the ranks follow one rule: its files' records (``saveplan.by_rule``; with
+    ``rule`` None the piece is built without the check, for the ranks whose work is not measured)."""
+    if rule is not None:
+        piece_ = saveplan.by_rule(rule, results, rank_files, r)
+    else:
+        piece_ = {"rule": True, "extra": {x.storage_data["file"]: {"record": list(x.storage_data["record"])}
+                                          for x in results if "record" in x.storage_data},
+                  "rank_files": [list(dataclasses.astuple(f)) for f in rank_files]}
+    return group_mod._encode({"piece": piece_, "error": ""})
+
+
+def rule_save_side(n: int, workdir: Path, model: str = "7b", memory: str = "rss", other: int = 1) -> dict:
+    """Rank 0's part of one save at ``n`` ranks that follow one rule (``saveplan.write``'s agreed path): a few
+    hundred bytes gathered from each rank, ``dcp-metadata.json`` written as the rule (``saveplan.finish_by_rule``),
+    ``Writer.finish_data`` (the manifest, the commit). And rank ``other``'s own share: the rule's stamp and its
+    writes checked against the rule (``saveplan.by_rule``)."""
+    meter, out = Meter(memory), {"n_ranks": n, "model": model, "memory": memory, "path": "rule"}
+    start = time.perf_counter()
+    store, name, staging, spec, records, real = _setting(n, workdir, model, other, out)
+    tensors_size, json_size = real[other][0].size, real[other][1].size
+    owner = saveplan.assign_replicated(replicated_items(spec), n)
+    rule = spec_rule(spec, owner)
+    header = _header_per_entry(own_items(spec, other, owner))
+    frames, written = [], 0
+    gc.disable()
+    for r in range(n):
+        files = real.get(r) or [records.record(commit_mod.rank_tensors(r), tensors_size),
+                                records.record(commit_mod.rank_json(r), json_size)]
+        results = write_results(r, own_items(spec, r, owner), spec, records, header)
+        written += len(results)
+        frames.append(rule_piece(None, r, results, files))
+    gc.enable()
+    out["inputs"] = {"build_s": round(time.perf_counter() - start, 2), "params": len(spec.params),
+                     "items_per_rank": len(spec.items(other))}
+
+    with meter.phase("rank_piece") as note:  # rank `other`: the stamp it sends, its writes checked, encoded
+        results = write_results(other, own_items(spec, other, owner), spec, records, header)
+        cpu = time.process_time()
+        saveplan._stamp(rule)
+        note["stamp_cpu_s"] = round(time.process_time() - cpu, 4)
+        cpu = time.process_time()
+        sent = rule_piece(rule, other, results, real[other])
+        note["describe_cpu_s"] = round(time.process_time() - cpu, 4)
+    assert json.loads(sent)["piece"].get("rule"), "rank other's writes do not follow the rule"
+    largest = max(len(f) for f in frames)
+    out["traffic"] = {"piece_bytes_other": len(sent),
+                      "sent_bytes_per_rank": 5 * 8 + largest + 8,  # the all-reduce (sizes, stamp), its frame
+                      "received_bytes_per_rank": 5 * 8 + group_mod.ROOM + 8,  # the all-reduce; the outcome
+                      "gathered_bytes_rank0": n * (largest + 8)}
+
+    with meter.phase("gather_decode"):
+        every = [json.loads(f.decode()) for f in frames]
+    del frames
+
+    clock, done = Clock(), {}
+    writer0 = _rank0_writer(store, staging, name, n, real[0], clock, done)
+    with meter.phase("finish") as note:
+        cpu = time.process_time()
+        with group_mod.paused_gc():
+            saveplan.finish_by_rule(writer0, rule, spec.mapping, [e["piece"] for e in every])
+        total = time.process_time() - cpu
+    spent = dict(clock.spent)
+    meter.phases["finish"].update(spent)
+    meter.phases["finish"]["metadata_build"] = round(total - sum(spent.values()), 4)
+    out["counts"] = {"items_written_total": written, "metadata_keys": len(rule["items"])}
+    return _written(out, meter, store, name, done, json_size, tensors_size)
 
 
 def manifest_only(n: int, model: str = "7b", dcp_bytes: int = 140_000) -> dict:
@@ -693,7 +796,7 @@ def restore_side(store_root: str, name: str, n: int, model: str = "7b", memory: 
         if raw is not None:
             note["json_cpu_s"] = round(time.process_time() - cpu, 4)
             cpu = time.process_time()
-            restored = storage_mod.metadata_from_json(raw, "dcp-metadata.json", shards)
+            restored = storage_mod.metadata_from_json(raw, "dcp-metadata.json", shards, lazy=True)
             del raw
             note["metadata_cpu_s"] = round(time.process_time() - cpu, 4)
     out["restore_refused"] = refused
@@ -719,6 +822,9 @@ def restore_side(store_root: str, name: str, n: int, model: str = "7b", memory: 
             sd[OPTIM]["state"][f] = {"step": torch.tensor(1.0), "exp_avg": _DTensorLike(size, box),
                                      "exp_avg_sq": _DTensorLike(size, box)}
         flat, _ = flatten_state_dict(sd)
+        if hasattr(restored, "view"):  # by rule: this rank's records listed (planner.LoadPlanner does the same)
+            restored = restored.view(flat)
+            note["listed_records"] = len(restored.storage_data)
         note["read_items"] = len(create_default_local_load_plan(flat, restored, True).items)
     out["phases"] = meter.phases
     return out
@@ -726,15 +832,17 @@ def restore_side(store_root: str, name: str, n: int, model: str = "7b", memory: 
 
 def simulate(n_ranks: int, workdir: Path, model: str = "7b", memory: str = "rss", other: int = 1,
              validate: str = "auto", isolate: bool = False, max_parse_bytes: int = PARSE_BYTES,
-             sample: int = SAMPLE, with_dcp: bool = False) -> dict:
+             sample: int = SAMPLE, with_dcp: bool = False, path: str = "rule") -> dict:
     """Rank 0's and rank ``other``'s work of one save and one restore at ``n_ranks`` ranks; see the module
     docstring. ``isolate``: the restore side (and DCP's rounds) each in a fresh process (a rank at restore starts
     from nothing; the save side's freed memory does not hide the restore's peak). ``with_dcp``: also what DCP's
     own rounds would cost (:func:`dcp_rounds`; ``validate``: its plan validation on every key ("full"), one per
-    kind ("sample") or "auto": every key up to 1,024 ranks; ``sample``: how many ranks' plans are pickled)."""
+    kind ("sample") or "auto": every key up to 1,024 ranks; ``sample``: how many ranks' plans are pickled).
+    ``path``: "rule" (the ranks follow one rule: ``saveplan``'s agreed path, the default for a non-incremental save)
+    or "listed" (every rank's chunks listed: an incremental save, or ranks that hold different structures)."""
     n, workdir = n_ranks, Path(workdir)
     other = min(other, n - 1)
-    result = save_side(n, workdir, model, memory, other)
+    result = (rule_save_side if path == "rule" else save_side)(n, workdir, model, memory, other)
 
     def run(what: str, args: list) -> dict:
         if isolate:
@@ -771,6 +879,7 @@ def at_most_linear(ns: list[int], values: list[float], slack: float = 1.15) -> b
 ROWS = [  # (label, path into the result)
     ("rank 1: assign_replicated CPU s", ("phases", "rank_piece", "assign_cpu_s")),
     ("rank 1: own items described and encoded CPU s", ("phases", "rank_piece", "describe_cpu_s")),
+    ("rank 1: the rule's stamp CPU s", ("phases", "rank_piece", "stamp_cpu_s")),
     ("rank 0: gather decoded (json) CPU s", ("phases", "gather_decode", "cpu_s")),
     ("rank 0: gather decoded peak MiB", ("phases", "gather_decode", "peak_mib")),
     ("rank 0: saveplan.finish + Writer.finish CPU s", ("phases", "finish", "cpu_s")),
@@ -780,6 +889,7 @@ ROWS = [  # (label, path into the result)
     ("    write dcp-metadata.json", ("phases", "finish", "write dcp-metadata.json")),
     ("    build_manifest", ("phases", "finish", "build_manifest")),
     ("    Manifest.to_bytes", ("phases", "finish", "to_bytes")),
+    ("    commit", ("phases", "finish", "commit")),
     ("    write manifest.json", ("phases", "finish", "write manifest.json")),
     ("rank 0: finish peak MiB", ("phases", "finish", "peak_mib")),
     ("rank 0: added CPU s (decode + finish)", ("rank0_added_cpu_s",)),
@@ -788,6 +898,7 @@ ROWS = [  # (label, path into the result)
     ("restore: metadata_from_json CPU s", ("phases", "restore_parse", "metadata_cpu_s")),
     ("restore: parse peak MiB", ("phases", "restore_parse", "peak_mib")),
     ("restore: local load plan CPU s", ("phases", "load_plan", "cpu_s")),
+    ("restore: records listed for the rank (by rule)", ("phases", "load_plan", "listed_records")),
     ("restore at another world size: every rank's records found in the manifest CPU s",
      ("phases", "reshard_lookups", "cpu_s")),
     ("manifest.json bytes", ("sizes", "manifest_bytes")),
@@ -845,6 +956,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", default="256,1024", help="comma-separated world sizes")
     parser.add_argument("--model", default="7b", choices=sorted(MODELS))
     parser.add_argument("--memory", default="rss", choices=("rss", "tracemalloc"))
+    parser.add_argument("--path", default="rule", choices=("rule", "listed"),
+                        help="the save's path: the metadata by rule (default) or listed (incremental saves)")
     parser.add_argument("--dcp", action="store_true", help="also what dcp.save's own rounds would cost rank 0")
     parser.add_argument("--validate", default="auto", choices=("auto", "full", "sample"),
                         help="with --dcp: its plan validation on every key, one key per kind, or every key up to "
@@ -865,7 +978,7 @@ def main(argv: list[str] | None = None) -> None:
         n, workdir = json.loads(args.one)
         start = time.perf_counter()
         result = simulate(n, Path(workdir), args.model, args.memory, validate=args.validate, isolate=True,
-                          with_dcp=args.dcp)
+                          with_dcp=args.dcp, path=args.path)
         result["total_wall_s"] = round(time.perf_counter() - start, 1)
         print(json.dumps(result))
         return
@@ -873,7 +986,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for n in [int(x) for x in args.ranks.split(",")]:  # each N in a fresh process: its own memory and heap
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps([n, tmp]), "--model", args.model,
-                                   "--memory", args.memory, "--validate", args.validate]
+                                   "--memory", args.memory, "--validate", args.validate, "--path", args.path]
                                   + (["--dcp"] if args.dcp else []), capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"N={n} failed:\n{proc.stderr[-4000:]}")

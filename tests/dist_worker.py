@@ -143,6 +143,8 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 
 def manager(directory: Path, **kwargs) -> ts.CheckpointManager:
+    if os.environ.get("TRAINSTATE_TEST_FULL_EVERY") == "none":  # every save whole: DCP's metadata by rule
+        kwargs.setdefault("full_every", None)
     return ts.CheckpointManager(directory, collective_timeout_s=TIMEOUT_S, **kwargs)
 
 
@@ -163,8 +165,10 @@ def _roundtrip_save(out: Path, mode: str) -> dict:
     fresh = build(mode, seed=3)
     with manager(out / f"run-{mode}") as ckpt:
         info = ckpt.restore(fresh, allow_changes=["world_size"])
+    metadata = json.loads((out / f"run-{mode}" / info.generation.name / "dcp-metadata.json").read_bytes())
     return {"saved_world": dist.get_world_size(), "differs": same(full_state(fresh), reference),
-            "generation": info.generation.name, "identical": info.identical_continuation}
+            "generation": info.generation.name, "identical": info.identical_continuation,
+            "by_rule": "rule" in metadata}
 
 
 @scenario

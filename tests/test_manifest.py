@@ -60,6 +60,48 @@ def test_the_self_digest_is_checked_on_the_bytes_as_written_without_re_encoding(
     assert module.digest_bytes("blake3", written[0][:-1]) != json.loads(written[0])["self_digest"]
 
 
+def _encoded_whole(manifest: Manifest, key=None) -> bytes:
+    """The manifest's encoding as written before it was encoded once: ``asdict``, and the whole object dumped."""
+    from dataclasses import asdict
+
+    data = {"format": "trainstate", **asdict(manifest)}
+    data["files"] = [{k: (list(v) if k == "chunks" else v) for k, v in asdict(f).items() if k != "chunks" or v}
+                     for f in manifest.files]
+    for optional in ("data", "metrics", "retention", "lineage", "run", "ranks", "compute", "fingerprints", "shares"):
+        if not data[optional]:
+            del data[optional]
+    if data["world_size"] == 1 and "ranks" not in data:
+        del data["world_size"]
+    data["self_digest"] = _self_digest(data, manifest.digest_algorithm)
+    if key is not None:
+        data["signature"] = key.sign(data)
+    return json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"
+
+
+def test_encoded_once_is_byte_for_byte_the_whole_encoding():
+    """``to_bytes`` encodes once and adds its own lines where ``json.dumps`` of the whole would put them: the same
+    bytes for manifests whose last key sorts before and after ``self_digest`` and ``signature``, signed or not."""
+    import dataclasses
+
+    from trainstate.format.signing import SigningKey
+
+    key = SigningKey(b"k" * 32)
+    multi = dataclasses.replace(
+        MANIFEST, files=(*MANIFEST.files, FileRecord("shard-00000.safetensors", 9 << 20, "aa" * 32, ("bb" * 32,) * 3)),
+        world_size=2, ranks=[["rank-00000.json"], ["rank-00001.json"]], data={"d": {"epoch": 1}},
+        fingerprints={"shard-00000.safetensors": {"w@": ["float32", [2], "00"]}},
+        shares={"shard-00000.safetensors": "gen-000000000041"}, lineage=[["ab", None]], run="r" * 32)
+    for manifest in (MANIFEST, multi):
+        for signing in (None, key):
+            assert manifest.to_bytes(signing) == _encoded_whole(manifest, signing)
+    from trainstate.format.manifest import _with_top_level
+    for body in ({"a": 1}, {"a": [1, {"b": "c"}], "t": {"u": 1}}, {"zz": 1}, {"a": 1, "sz": "q"}):
+        own = {"self_digest": "d", "signature": "s"}  # first, last, between, and among the keys
+        assert _with_top_level(json.dumps(body, indent=1, sort_keys=True), own) == \
+            json.dumps({**body, **own}, indent=1, sort_keys=True)
+    assert _encoded_whole(multi).replace(b"shares", b"sharez") != multi.to_bytes()  # control: a difference shows
+
+
 @pytest.mark.parametrize("edit", [
     lambda d: d.update(format_version=5),  # a version this reader does not know
     lambda d: d.update(format="other"),

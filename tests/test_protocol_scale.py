@@ -2,8 +2,10 @@
 
 ``benchmarks/bench_protocol_scale.py`` runs rank 0's part (and rank 1's) of a save and a restore of an FSDP2
 Llama-2-7B + AdamW without a process group; ``--ranks 256,1024,8192`` is the full run (benchmarks/README.md).
-Here it runs at 16 and 64 ranks, and what must hold at any N is checked by counts and sizes, never by time: what
-rank 0 writes and handles grows at most linearly in N, what a non-zero rank sends and receives does not grow.
+Here it runs at 16 and 64 ranks, on both of the save's paths (the metadata by rule, when every rank follows one;
+listed, for incremental saves), and what must hold at any N is checked by counts and sizes, never by time: what
+rank 0 writes and handles grows at most linearly in N (by rule: its metadata not at all), what a non-zero rank
+sends and receives does not grow.
 """
 
 from __future__ import annotations
@@ -25,9 +27,19 @@ NS = (16, 64)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, dict]:
+def both(tmp_path_factory) -> dict[str, dict[int, dict]]:
     workdir = tmp_path_factory.mktemp("scale")
-    return {n: bench.simulate(n, workdir) for n in NS}
+    return {path: {n: bench.simulate(n, workdir / path, path=path) for n in NS} for path in ("rule", "listed")}
+
+
+@pytest.fixture(params=["rule", "listed"])
+def runs(request, both) -> dict[int, dict]:
+    return both[request.param]
+
+
+@pytest.fixture
+def listed(both) -> dict[int, dict]:
+    return both["listed"]
 
 
 def values(runs: dict[int, dict], *path: str) -> list:
@@ -115,6 +127,8 @@ def test_rank0_writes_at_most_linear(runs):
     assert manifest[1] / manifest[0] <= 4.5
     metadata = values(runs, "sizes", "dcp_metadata_bytes")
     assert bench.at_most_linear(list(NS), metadata), metadata
+    if runs[NS[0]].get("path") == "rule":  # the rule: the same for any N but the mesh's list of ranks
+        assert metadata[1] - metadata[0] <= 6 * (NS[1] - NS[0]), metadata
     files = values(runs, "sizes", "manifest_files")  # 2 records and a shard a rank; rank 0's global and small files
     assert files == [3 * n + 4 for n in NS], files
     # the per-rank records do not grow with N (a rank's RNG streams, its number)
@@ -123,10 +137,11 @@ def test_rank0_writes_at_most_linear(runs):
         assert abs(large - small) <= 64, (key, small, large)
 
 
-def test_rank0_work_counts_linear(runs):
+def test_rank0_work_counts_linear(listed):
     """Rank 0's work measured by what it handles, not by time: every item written passes through its metadata once
     (each rank's own chunk of 3 x 291 tensors; the 291 steps and 12 param-group values once), every chunk is one
     record of DCP's metadata, and what it gathers is N pieces of one size."""
+    runs = listed
     assert values(runs, "inputs", "items_per_rank") == [4 * 291 + 12] * 2  # params, moments, steps, 12 group values
     for n, r in runs.items():
         counts = r["counts"]
@@ -142,12 +157,24 @@ def test_rank0_work_counts_linear(runs):
 # what a non-zero rank sends and receives does not grow with N ------------------------------------------------
 def test_each_rank_sends_and_receives_the_same_at_any_n(runs):
     """A rank's piece (its items described, its files' records), the frame it sends (padded to the largest piece,
-    rank 0's) and what it receives in the write round (the largest size, the outcome) do not grow from 16 to 64
-    ranks: the pieces shrink (a shard's record lists a digest per 4 MiB of it, and the shards shrink)."""
+    rank 0's) and what it receives in the write round (the all-reduce of sizes and stamp, the outcome) do not grow
+    from 16 to 64 ranks: the pieces shrink (a shard's record lists a digest per 4 MiB of it, and the shards
+    shrink)."""
     for path in (("traffic", "piece_bytes_other"), ("traffic", "sent_bytes_per_rank")):
         small, large = values(runs, *path)
         assert large <= small, (path, small, large)
-    assert values(runs, "traffic", "received_bytes_per_rank") == [8 + bench.group_mod.ROOM + 8] * 2
+    assert values(runs, "traffic", "received_bytes_per_rank") == [5 * 8 + bench.group_mod.ROOM + 8] * 2
+
+
+def test_by_rule_a_rank_sends_its_files_not_its_items(both):
+    """The control of the rule's saving: a piece by rule lacks the listed one's record per item (over 100 bytes
+    each; what both carry is the files' records, a digest per 4 MiB of shard), and what rank 0 gathers by rule is
+    smaller at 64 ranks than the listed path's at 16."""
+    for n in NS:
+        saved = both["listed"][n]["traffic"]["piece_bytes_other"] - both["rule"][n]["traffic"]["piece_bytes_other"]
+        assert saved >= 100 * both["rule"][n]["inputs"]["items_per_rank"], saved
+    assert both["rule"][NS[1]]["traffic"]["gathered_bytes_rank0"] < \
+        both["listed"][NS[0]]["traffic"]["gathered_bytes_rank0"]
 
 
 def test_restore_parses_and_plans(runs):
@@ -157,3 +184,5 @@ def test_restore_parses_and_plans(runs):
         assert r["restore_refused"] is None
         assert r["phases"]["load_plan"]["read_items"] == r["inputs"]["items_per_rank"]
         assert r["files_each_rank_opens"] == r["sizes"]["manifest_files"]
+        if r.get("path") == "rule":  # this rank's records alone listed from the rule, not every rank's
+            assert r["phases"]["load_plan"]["listed_records"] == r["inputs"]["items_per_rank"]

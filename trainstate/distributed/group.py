@@ -193,6 +193,14 @@ class Ranks:
             raise error
         raise CheckpointFailed(phase, failed)
 
+    def largest(self, values: list[int], phase: str) -> list[int]:
+        """The element-wise largest of every rank's ``values`` (the same length on every rank), on every rank:
+        with ``-x`` beside ``x``, also the smallest (equal iff every rank has the same ``x``)."""
+        with collective(phase, self):
+            top = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in top.tolist()]
+
     def sum(self, values: list[int], phase: str) -> list[int]:
         """The element-wise sum of every rank's ``values`` (the same length on every rank), on every rank."""
         with collective(phase, self):

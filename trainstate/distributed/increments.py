@@ -35,11 +35,8 @@ from typing import Any
 import torch
 
 from ..format.manifest import FileRecord, Manifest
+from ..format.shardrule import shard_file
 from ..lifecycle import incremental
-
-
-def shard_file(rank: int) -> str:
-    return f"shard-{rank:05d}.safetensors"
 
 
 def part_prefix(rank: int) -> str:

@@ -272,7 +272,7 @@ def _read(held: HeldFiles, manifest: Any, ranks: Ranks | None) -> dict:
     decoded = held.metadata if isinstance(held, Fetched) else None  # decoded by the fetch that planned the reads
     metadata = decoded[1] if decoded and decoded[0] == name else \
         metadata_from_json(read_json_file(held, manifest, DCP_METADATA, MAX_DCP_METADATA_BYTES), f"{name}/{DCP_METADATA}",
-                           {f.name for f in manifest.files if f.name.startswith("shard-")})
+                           {f.name for f in manifest.files if f.name.startswith("shard-")}, lazy=ranks is not None)
     return {"payload": payload, "sharded": sharded, "records": records, "metadata": metadata}
 
 

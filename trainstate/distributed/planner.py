@@ -64,6 +64,11 @@ class LoadPlanner(DefaultLoadPlanner):
         super().__init__(*args, **kwargs)
         self._reuse, self.plan = reuse, None
 
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if hasattr(self.metadata, "view"):  # written by rule (storage.RuleMetadata): what this rank reads, listed
+            self.metadata = self.metadata.view(self.state_dict)
+
     def create_local_plan(self) -> Any:
         earlier = self._reuse
         if earlier is not None and earlier.plan is not None and earlier.state_dict.keys() == self.state_dict.keys():

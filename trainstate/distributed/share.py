@@ -247,7 +247,7 @@ def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates
                         state: dict) -> dict[str, list[int]]:
     shards = [f.name for f in manifest.files if f.name.startswith("shard-")]
     metadata = metadata_from_json(read_json_file(fetched, manifest, DCP_METADATA, MAX_DCP_METADATA_BYTES),
-                                  f"{manifest.generation}/{DCP_METADATA}", set(shards))
+                                  f"{manifest.generation}/{DCP_METADATA}", set(shards), lazy=True)
     fetched.metadata = (manifest.generation, metadata)
     state["needed"] = needed = _planned_entries(fetched, manifest.generation, templates, metadata, ranks.rank) \
         if templates is not None else None
@@ -255,6 +255,8 @@ def _want_header_starts(fetched: Fetched, manifest: Any, ranks: Ranks, templates
         state["partial"] = False
         return {shard: fetched.missing(manifest, shard) for shard in shards}
     held: dict[str, set[str]] = {}  # shard file -> every entry it stores
+    if hasattr(metadata, "entries"):  # by rule: the files this rank reads, each listed from the rule
+        held = {shard: metadata.entries(shard) for shard in needed}
     for info in metadata.storage_data.values():
         held.setdefault(info["file"], set()).add(info["entry"])
     # a shard this rank loads every entry of (its own, at the same world size) is wanted whole now, in this round
@@ -314,7 +316,7 @@ def _planned_entries(fetched: Fetched, generation: str, templates: dict, metadat
         return None  # the state does not fit this generation: the checks before loading say how
     out: dict[str, set[str]] = {}
     for item in plan.items:
-        info = metadata.storage_data.get(item.storage_index)
+        info = planner.metadata.storage_data.get(item.storage_index)  # (by rule: the planner's view)
         if info is None:
             return None
         out.setdefault(info["file"], set()).add(info["entry"])

@@ -52,18 +52,16 @@ from torch.futures import Future
 from ..errors import CorruptGeneration, TrainStateError
 from ..format import tensorfile
 from ..format.digest import CHUNK_BYTES
+from ..format import shardrule
 from ..format.manifest import FileRecord
+from ..format.shardrule import shard_file, small_file
 from ..lifecycle.incremental import manifest_fields
 from ..storage import chunked
 from .group import paused_gc
-from .increments import ShardPlan, shard_file
+from .increments import ShardPlan
 
 DCP_METADATA = "dcp-metadata.json"
 _FORMAT = "trainstate-dcp-metadata"
-
-
-def small_file(rank: int) -> str:
-    return f"shard-{rank:05d}-small.safetensors"
 
 
 SMALL_BYTES = 64 << 10  # a replicated item up to this size goes into the rank's small file
@@ -79,8 +77,7 @@ def _small_and_replicated(item: Any, tensor: torch.Tensor) -> bool:
 
 
 def entry_name(index: MetadataIndex) -> str:
-    offsets = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
-    return f"{index.fqn}@{offsets}"
+    return shardrule.entry_name(index.fqn, index.offset)
 
 
 # metadata <-> JSON -------------------------------------------------------------------------------------
@@ -118,10 +115,79 @@ def metadata_to_json(metadata: Metadata) -> bytes:
         return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
 
 
-def metadata_from_json(raw: dict, where: str, files: set[str]) -> Metadata:
-    """DCP's ``Metadata`` from its parsed JSON, checking every field; ``files``: the shard files the manifest lists."""
+def metadata_from_json(raw: dict, where: str, files: set[str], lazy: bool = False) -> Metadata:
+    """DCP's ``Metadata`` from its parsed JSON, checking every field; ``files``: the shard files the manifest lists.
+    A rule-form file (:mod:`trainstate.format.shardrule`) is listed first, every chunk of every rank; with ``lazy``
+    it stays a rule (:class:`RuleMetadata`): a rank's load lists only the chunks it reads."""
     with paused_gc():
+        if type(raw) is dict and "rule" in raw:
+            if lazy:
+                return RuleMetadata(raw, where, files)
+            raw = shardrule.explicit(raw, where)
         return _metadata_from_json(raw, where, files)
+
+
+class RuleMetadata(Metadata):
+    """DCP's metadata written by rule, not listed: :meth:`view` lists what one rank's load reads.
+
+    Given to :class:`.planner.LoadPlanner`, which plans against ``view(its flattened state dict)``: every key the
+    generation stores, and of each tensor only the chunks that meet the rank's own (found by division, not by
+    scanning every rank's, :func:`trainstate.format.shardrule.overlapping`). At N ranks a restore lists O(items)
+    records per rank where the listed form is O(items x N) for every rank to parse."""
+
+    def __init__(self, raw: dict, where: str, files: set[str]):
+        if not (set(raw) == {"format", "version", "planner_data", "rule"} and raw["format"] == _FORMAT
+                and (raw["version"] is None or type(raw["version"]) is str) and type(raw["planner_data"]) is dict):
+            raise CorruptGeneration(where, "not trainstate DCP metadata")
+        planner = {}
+        for fqn, path in raw["planner_data"].items():
+            if not (type(path) is list and path and all(type(p) in (str, int) for p in path)):
+                raise CorruptGeneration(where, f"malformed path {fqn!r:.80}")
+            planner[fqn] = tuple(path)
+        super().__init__(state_dict_metadata={}, planner_data=planner, storage_data={}, version=raw["version"])
+        self.rule, self.where, self.files = shardrule.checked(raw["rule"], where), where, files
+
+    def view(self, flat: dict[str, Any]) -> Metadata:
+        """The listed metadata of what a load into ``flat`` (a flattened state dict) reads: every stored key, each
+        tensor with the chunks that overlap this rank's (all keys, so that DCP's check for keys of an older
+        format sees what it would; chunks only where ``flat`` holds the key)."""
+        from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+
+        items: dict[str, Any] = {}
+        storage: dict[MetadataIndex, dict] = {}
+        for fqn, item in self.rule["items"].items():
+            if item.get("bytes"):
+                items[fqn] = BytesStorageMetadata()
+                found = shardrule.overlapping(self.rule, fqn, []) if fqn in flat else []
+            else:
+                value = flat.get(fqn)
+                boxes = [(list(map(int, c.offsets)), list(map(int, c.sizes))) for c in _create_chunk_list(value)] \
+                    if isinstance(value, torch.Tensor) or hasattr(value, "__create_chunk_list__") else []
+                found = shardrule.overlapping(self.rule, fqn, boxes) if boxes else []
+                props = TensorProperties(dtype=tensorfile.torch_dtype(item["dtype"], self.where),
+                                         requires_grad=item["requires_grad"])
+                items[fqn] = TensorStorageMetadata(props, torch.Size(item["size"]), [
+                    ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes, _, _ in found])
+            for offsets, _, file, entry in found:
+                if file not in self.files:
+                    raise CorruptGeneration(self.where, f"{fqn!r:.80} is stored in {file}, which the manifest "
+                                                        "does not list")
+                storage[MetadataIndex(fqn, None if offsets is None else torch.Size(offsets))] = {"file": file,
+                                                                                                  "entry": entry}
+        return Metadata(state_dict_metadata=items, planner_data=dict(self.planner_data), storage_data=storage,
+                        version=self.version)
+
+    def entries(self, file: str) -> set[str]:
+        """Every entry the rule stores in ``file`` (one rank's shard or small file)."""
+        writer = shardrule.writer_of(file)
+        return {entry for _, _, _, name, entry in shardrule.written_by(self.rule, writer) if name == file} \
+            if writer is not None else set()
+
+
+def rule_to_json(rule: dict, planner_data: dict, version: str | None) -> bytes:
+    """``dcp-metadata.json`` in rule form: what each rank wrote, by rule (:mod:`trainstate.format.shardrule`)."""
+    data = {"format": _FORMAT, "version": version, "planner_data": planner_data, "rule": rule}
+    return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
 
 
 def _naturals(value: Any, n: int | None = None) -> bool:
@@ -136,8 +202,8 @@ def _metadata_from_json(raw: dict, where: str, files: set[str]) -> Metadata:
             raise CorruptGeneration(where, what)
 
     ints = _naturals
-    need(set(raw) == {"format", "version", "items", "planner_data", "storage"} and raw["format"] == _FORMAT,
-         "not trainstate DCP metadata")
+    need(type(raw) is dict and set(raw) == {"format", "version", "items", "planner_data", "storage"}
+         and raw["format"] == _FORMAT, "not trainstate DCP metadata")
     need(raw["version"] is None or type(raw["version"]) is str, "malformed version")
     need(type(raw["items"]) is dict and type(raw["planner_data"]) is dict and type(raw["storage"]) is list,
          "malformed sections")
@@ -255,17 +321,21 @@ class Writer(StorageWriter):
                     prints[data["file"]] = data["prints"]
                 if data.get("share"):
                     shares[data["file"]] = data["share"]
-        missing = [r for r in range(self.world_size) if r not in self.plan_files]
-        if missing:
-            raise TrainStateError(f"no file records from ranks {missing}")
         metadata.storage_data = storage
-        data = metadata_to_json(metadata)
-        records = [f for r in range(self.world_size) for f in self.plan_files[r]] + shards
-        records.append(self.staging.write(DCP_METADATA, [data]))
-        self.on_finish(data, records, manifest_fields(prints, shares))
+        self.finish_data(metadata_to_json(metadata), shards, manifest_fields(prints, shares))
         # DCP broadcasts what finish was given to every rank once it returns: every rank's chunk of every item,
         # O(N) bytes per rank (hundreds of MB at thousands of ranks) that no rank reads. It is written: drop it.
         metadata.state_dict_metadata, metadata.storage_data, metadata.planner_data = {}, None, None
+
+    def finish_data(self, data: bytes, shards: list[FileRecord], fields: dict) -> None:
+        """Rank 0: DCP's metadata (``data``, listed or by rule) written, then every file's record (the per-rank
+        files each rank gave, ``shards``, the metadata) handed to the commit."""
+        missing = [r for r in range(self.world_size) if r not in self.plan_files]
+        if missing:
+            raise TrainStateError(f"no file records from ranks {missing}")
+        records = [f for r in range(self.world_size) for f in self.plan_files[r]] + shards
+        records.append(self.staging.write(DCP_METADATA, [data]))
+        self.on_finish(data, records, fields)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -312,8 +382,9 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Future[None]:
         by_file: dict[str, dict[str, list]] = {}
+        metadata = getattr(planner, "metadata", None) or self.metadata  # (by rule: the planner's view of it)
         for request in plan.items:
-            info = self.metadata.storage_data.get(request.storage_index)
+            info = metadata.storage_data.get(request.storage_index)
             if info is None:
                 raise CorruptGeneration(self.generation, f"no stored item for {request.storage_index.fqn!r:.80}")
             by_file.setdefault(info["file"], {}).setdefault(info["entry"], []).append(request)

@@ -30,7 +30,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from .digest import ALGORITHMS, CRYPTOGRAPHIC, chunk_count, chunk_hex_length, chunked_top, digest_bytes, is_chunked
 from ..errors import CorruptGeneration, InvalidArgument
@@ -129,19 +129,27 @@ class Manifest:
     shares: dict = field(default_factory=dict)  # {file: the generation it was linked from} (format 4)
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
-        data = {"format": "trainstate", **asdict(self)}
-        data["files"] = [{k: (list(v) if k == "chunks" else v) for k, v in asdict(f).items()
-                          if k != "chunks" or v} for f in self.files]
+        """The manifest as written: JSON, one space of indent, keys sorted, with its self-digest (and signature).
+        Encoded once (the self-digest covers the same encoding without its own line, :func:`_self_digest`), each
+        file record taken field by field (``asdict`` copied every record: half a second at 8,192 ranks)."""
+        data: dict = {"format": "trainstate"}
+        for item in fields(self):
+            data[item.name] = getattr(self, item.name)
+        data["files"] = [{"name": f.name, "size": f.size, "digest": f.digest, **({"chunks": list(f.chunks)}
+                                                                                if f.chunks else {})}
+                         for f in self.files]
         for optional in ("data", "metrics", "retention", "lineage", "run", "ranks", "compute", "fingerprints",
                          "shares"):
             if not data[optional]:
                 del data[optional]
         if data["world_size"] == 1 and "ranks" not in data:
             del data["world_size"]
-        data["self_digest"] = _self_digest(data, self.digest_algorithm)
+        body = json.dumps(data, indent=1, sort_keys=True)
+        data["self_digest"] = digest_bytes(self.digest_algorithm, body.encode())
+        own = {"self_digest": data["self_digest"]}
         if key is not None:
-            data["signature"] = key.sign(data)
-        return json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"
+            own["signature"] = key.sign(data)
+        return _with_top_level(body, own).encode() + b"\n"
 
     def file(self, name: str) -> FileRecord:
         """The record of ``name`` (the first, should two share it). By a name index built at the first call: a
@@ -185,6 +193,20 @@ def _self_digest(data: dict, algorithm: str) -> str:
     """
     body = {k: v for k, v in data.items() if k not in ("self_digest", "signature")}
     return digest_bytes(algorithm, json.dumps(body, indent=1, sort_keys=True).encode())
+
+
+_TOP_KEY = re.compile(r'\n "((?:[^"\\]|\\.)*)": ')
+
+
+def _with_top_level(body: str, own: dict[str, str]) -> str:
+    """``body`` (``json.dumps`` of an object, ``indent=1``, keys sorted) with the string fields ``own`` added where
+    the same call on the whole object puts them: byte for byte that encoding, without encoding it again. A
+    top-level key is the only line that starts with one space and a quote (deeper lines have more indent)."""
+    for name, value in sorted(own.items()):
+        line = f" {json.dumps(name)}: {json.dumps(value)}"
+        after = next((m.start() for m in _TOP_KEY.finditer(body) if json.loads(f'"{m.group(1)}"') > name), None)
+        body = body[:-2] + ",\n" + line + "\n}" if after is None else body[:after] + "\n" + line + "," + body[after:]
+    return body
 
 
 _OWN_FIELDS = re.compile(rb'\n "(?:self_digest|signature)": "[^"\\\n]*",')

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptGeneration, InvalidArgument, NoValidGeneration, StateMismatch
-from ..format import signing, tensorfile
+from ..format import shardrule, signing, tensorfile
 from ..format.manifest import MANIFEST, MAX_DCP_METADATA_BYTES, Manifest, parse_generation_name
 from ..format.signing import SigningKey
 from ..lifecycle.candidates import recovery_point
@@ -263,6 +263,8 @@ def dcp_items(raw: Any, where: str, files: set[str]) -> dict[str, _Item]:
     def ints(value: Any, n: int) -> bool:
         return type(value) is list and len(value) == n and all(type(v) is int and v >= 0 for v in value)
 
+    if type(raw) is dict and "rule" in raw:  # written by rule: every chunk listed first
+        raw = shardrule.explicit(raw, where)
     need(type(raw) is dict and set(raw) == {"format", "version", "items", "planner_data", "storage"}
          and raw["format"] == "trainstate-dcp-metadata" and type(raw["items"]) is dict
          and type(raw["planner_data"]) is dict and type(raw["storage"]) is list, "not trainstate DCP metadata")
