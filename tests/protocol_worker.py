@@ -5,6 +5,7 @@ what follows it on the writer thread: replicas, an upload) and one restore into 
 :class:`collective_count.Tally`, and writes the counts. The test launches it at 2 and at 4 ranks and compares.
 
 - ``plain``: one directory every rank shares;
+- ``by_rule``: the same without ``full_every``: DCP's metadata written by rule;
 - ``objects``: an ``s3://`` URL (``$TRAINSTATE_TEST_S3``) on a loopback server;
 - ``tiered``: node-local tiers, each rank a node of its own (``node=rank``) with its own directory, two replicas
   (waited for) and no remote: the restore finds every disk intact;
@@ -47,6 +48,7 @@ def _counted(make, extra=None) -> dict:
     with make() as ckpt:
         with Tally() as restore:
             info = ckpt.restore(fresh)
+            ckpt.wait()  # what the restore left to the writer thread (a refill, its timing record), counted too
     return {"save": save.summary(), "restore": restore.summary(), "restored": info.generation.name,
             "sources": info.sources}
 
@@ -54,6 +56,15 @@ def _counted(make, extra=None) -> dict:
 @scenario
 def plain(out: Path) -> dict:
     return _counted(lambda: ts.CheckpointManager(out / "run", keep_last=2, collective_timeout_s=TIMEOUT_S))
+
+
+@scenario
+def by_rule(out: Path) -> dict:
+    """The plain save without ``full_every``: DCP's metadata by rule (each rank sends its files, not its items)."""
+    counted = _counted(lambda: ts.CheckpointManager(out / "run", keep_last=2, full_every=None,
+                                                    collective_timeout_s=TIMEOUT_S))
+    metadata = json.loads((out / "run" / counted["restored"] / "dcp-metadata.json").read_bytes())
+    return {**counted, "by_rule": "rule" in metadata}
 
 
 @scenario

@@ -157,13 +157,15 @@ class Holdings(Fetched):
                 return "", True  # nothing to hand over: the round ends here, every rank alike
             bad, error = _exchange(self, fetched, manifest, ranks, order["reads"], order["relays"], order["sends"])
             reports = ranks.gather({"bad": bad, "error": error}, "fetch")
-            verdict = ranks.broadcast(_verdict(reports) if ranks.rank == 0 else None, "fetch")
+            verdict = ranks.broadcast(self._judge(reports, manifest) if ranks.rank == 0 else None, "fetch")
             if verdict.get("unavailable"):
                 return error, False  # the remote did not answer: no copy is to blame, and none is passed over
             if not verdict.get("bad"):
                 return "", True
             reports = verdict["bad"]
-            gone = self._drop_damaged(reports, manifest)
+            if ranks.rank != 0:  # (rank 0 dropped them as it judged: it alone holds every node's holdings)
+                self._drop(verdict["copies"], manifest)
+            gone = verdict["gone"]
             if gone and self._consult_remote(manifest, ranks):
                 gone = [name for name in gone if name not in self.holders["remote"]]
             if gone:
@@ -242,21 +244,31 @@ class Holdings(Fetched):
         self.holders["remote"] = ranks.broadcast(files, "fetch") or {}
         return bool(self.holders["remote"])
 
-    def _drop_damaged(self, reports: list[dict], manifest: Any) -> list[str]:
-        """Forget each copy found damaged (it no longer counts as held); the files no source holds now. A report
-        names the rank that read the copy: its node's, else the remote's (a copy named twice is dropped once)."""
-        node = self.tier.topology.node_of
-        copies = {}
-        for report in reports:
-            for rank, name in report["bad"]:
-                where = node[rank] if name in self.holders.get(node[rank], {}) else "remote"
-                copies.setdefault((where, name), report["error"])
-        for (where, name), error in sorted(copies.items(), key=str):
+    def _judge(self, reports: list[dict], manifest: Any) -> dict:
+        """Rank 0: the round's verdict (:func:`_verdict`); where copies were found damaged, which copies they are
+        (the node's of the rank that read one, else the remote's: only rank 0 holds every node's holdings), each
+        dropped here, and the files no source holds now (the same answer for every rank)."""
+        verdict = _verdict(reports)
+        if verdict.get("bad"):
+            node = self.tier.topology.node_of
+            copies = {}
+            for report in verdict["bad"]:
+                for rank, name in report["bad"]:
+                    where = node[rank] if name in self.holders.get(node[rank], {}) else "remote"
+                    copies.setdefault((where, name), report["error"])
+            verdict["copies"] = [[where, name, error] for (where, name), error in sorted(copies.items(), key=str)]
+            self._drop(verdict["copies"], manifest)
+            verdict["gone"] = sorted({name for _, name in copies if not any(name in f for f in self.holders.values())})
+        return verdict
+
+    def _drop(self, copies: list[list], manifest: Any) -> None:
+        """Forget each copy found damaged (it no longer counts as held), where this rank holds its record (rank 0:
+        every node's; another rank: its own node's and the remote's)."""
+        for where, name, error in copies:
             log.warning("%s: %s; reading it from another source", manifest.generation, error)
             held = self.holders.get(where, {}).pop(name, None)
             if held is not None and where != "remote":
                 self.damaged.add((where, name, held[1]))
-        return sorted({name for _, name in copies if not any(name in f for f in self.holders.values())})
 
 
 def _verdict(reports: list[dict]) -> dict:

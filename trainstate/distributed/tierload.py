@@ -2,7 +2,9 @@
 
 1. **report**: each node's leader lists what its node holds, in both tiers
    (:func:`.tiers.holdings`: generation, manifest digest, files present at
-   their recorded sizes); every rank learns every node's report.
+   their recorded sizes), to rank 0, which chooses the candidates and sends
+   each rank its own node's holdings of them: O(1) bytes per rank (rank 0
+   plans every fetch round, :meth:`.tierfetch.Holdings.together`).
 2. **choose**: candidates newest first (or only ``generation=``), on the
    run's identity. A candidate whose holders report different manifests is
    passed over; so is one that no set of surviving holdings covers whole
@@ -68,44 +70,85 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     topo = tier.topology
     report = {"holds": holdings(tier.stores(), key), "run": _recorded_run(tier, key), "latest": _latest(tier, key),
               "where": f"{os.uname().nodename}:{tier.own.location}"} if topo.is_leader else {}
-    reports = ranks.all_gather(report, "report")
-    held: dict[Any, dict] = {n: reports[topo.leader(n)]["holds"] for n in range(topo.nodes)}
-    run = next((reports[topo.leader(n)]["run"] for n in range(topo.nodes) if reports[topo.leader(n)]["run"]), None)
-    pointers = [reports[topo.leader(n)]["latest"] for n in range(topo.nodes)]
-    if tier.remote is not None and _needs_remote(held):  # else not one request to the object store
-        held["remote"] = ranks.broadcast(_remote_holdings(tier.remote) if ranks.rank == 0 else None, "report")
+    # every leader's report to rank 0, which chooses the candidates and sends each rank its own node's holdings of
+    # them: O(1) bytes per rank (rank 0 alone holds every node's, and plans every fetch round, Holdings.together)
+    every = ranks.gather(report, "report")
+    held_all = decided = None
+    if ranks.rank == 0:
+        held_all, decided = _choose_candidates(every, tier, generation)
+    mine = ranks.scatter(decided, "report")
+    held = held_all if ranks.rank == 0 else {topo.node: mine["holds"], **({"remote": mine["remote"]}
+                                                                         if "remote" in mine else {})}
     with load.untouched_unless_loaded(state) as loading:
         try:
-            return _restore(state, ranks, tier, key, held, run, generation, allow, statistical_cuda, loading,
-                            refill, one_pass, pointers)
+            return _restore(state, ranks, tier, key, held, mine, allow, statistical_cuda, loading, refill, one_pass)
         except NoValidGeneration as exc:  # named with every node's directory, to be read together
-            raise NoValidGeneration(exc.directory, exc.rejections, unusable=exc.unusable,
-                                    nodes=[reports[topo.leader(n)]["where"] for n in range(topo.nodes)]) from None
+            nodes = ranks.broadcast([every[r]["where"] for r in _leaders(topo)] if ranks.rank == 0 else None,
+                                    "report")
+            raise NoValidGeneration(exc.directory, exc.rejections, unusable=exc.unusable, nodes=nodes) from None
 
 
-def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[Any, dict], run: str | None,
-             generation: str | None, allow: list[str], statistical_cuda: bool, loading: Any, refill: Any,
-             one_pass: bool = True, pointers: list[str | None] = ()) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
-    templates = load._templates(state)
+def _leaders(topo: Any) -> list[int]:
+    """Each node's leader (its lowest rank), in node order: one pass (``Topology.leader`` lists a node's ranks)."""
+    first: dict[int, int] = {}
+    for rank, node in enumerate(topo.node_of):
+        first.setdefault(node, rank)
+    return [first[n] for n in range(topo.nodes)]
+
+
+def _choose_candidates(every: list[dict], tier: Tier, generation: str | None) -> tuple[dict, list[dict]]:
+    """Rank 0, from every leader's report: every node's holdings (and the remote's, read only when the nodes cannot
+    serve the newest generation whole), and what each rank restores from: the candidates in order (name, digest,
+    the rank that hands its manifest over and from which tier), those passed over, every name held, and its own
+    node's holdings of the candidates (with the remote's, when read)."""
+    topo = tier.topology
+    leaders = _leaders(topo)
+    held: dict[Any, dict] = {n: every[leaders[n]]["holds"] for n in range(topo.nodes)}
+    run = next((every[r]["run"] for r in leaders if every[r]["run"]), None)
+    pointers = [every[r]["latest"] for r in leaders]
+    if tier.remote is not None and _needs_remote(held):  # else not one request to the object store
+        held["remote"] = _remote_holdings(tier.remote)
     rejected: list[Rejection] = []
-    names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
+    candidates = []
     for name, digest in _candidates(held, run, generation, rejected, pointers):
+        nodes = [n for n, h in held.items() if n != "remote" and h.get(name, {}).get("digest") == digest]
+        first = leaders[min(nodes)] if nodes else 0
+        candidates.append([name, digest, first, held[topo.node_of[first]][name]["tier"] if nodes else "remote"])
+    names = sorted({n for h in held.values() for n in h}, key=generation_order, reverse=True)
+    common = {"run": run, "candidates": candidates, "rejected": [[r.generation, r.reason] for r in rejected],
+              "names": names}
+    chosen = {c[0] for c in candidates}
+    remote = {"remote": {n: h for n, h in held["remote"].items() if n in chosen}} if "remote" in held else {}
+    mine = [{**common, **remote, "holds": {n: h for n, h in held[node].items() if n in chosen}}
+            for node in topo.node_of]
+    return held, mine
+
+
+def _restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, held: dict[Any, dict], mine: dict,
+             allow: list[str], statistical_cuda: bool, loading: Any, refill: Any,
+             one_pass: bool = True) -> tuple[RestoreInfo | None, tuple[Rejection, ...]]:
+    templates = load._templates(state)
+    rejected: list[Rejection] = [Rejection(name, reason) for name, reason in mine["rejected"]]
+    names, run = mine["names"], mine["run"]
+    for name, digest, first, first_tier in mine["candidates"]:
         holders = {n: h[name]["files"] for n, h in held.items() if h.get(name, {}).get("digest") == digest}
-        data = _shared_manifest(name, holders, held, tier, ranks)
+        data = _shared_manifest(name, first, first_tier, tier, ranks)
         for direct in dict.fromkeys((one_pass, False)):  # again without direct reads if one found damage
             view, problem = None, ""
             try:
                 manifest = parse_shared_manifest(data, name, digest, key)
-                lacking = [f.name for f in manifest.files if not any(f.name in files for files in holders.values())]
+                # rank 0 holds every node's holdings: it alone can tell a file no node holds
+                lacking = [f.name for f in manifest.files if not any(f.name in files for files in holders.values())] \
+                    if ranks.rank == 0 else []
                 if lacking:
                     raise CorruptGeneration(name, f"no surviving node holds {lacking[0]} (nor {len(lacking) - 1} "
                                             "other files)" + (", nor the remote" if tier.remote is not None else ""))
                 view = Holdings(tier, manifest, data, holders, names, direct=direct)
             except CorruptGeneration as exc:
                 problem = f"{exc}"
-            reports_ = ranks.all_gather(problem, "choose")
-            if any(reports_):
-                rejected.append(Rejection(name, "; ".join(sorted({t for t in reports_ if t}))))
+            reports_ = ranks.failures(problem, "choose")  # (the texts cross only where some rank has one)
+            if reports_:
+                rejected.append(Rejection(name, "; ".join(sorted(set(reports_.values())))))
                 if view is not None:
                     view.close()
                 break
@@ -169,14 +212,12 @@ def _remote_holdings(remote: Any) -> dict[str, dict]:
     return out
 
 
-def _shared_manifest(name: str, holders: dict[Any, dict], held: dict[Any, dict], tier: Tier, ranks: Ranks) -> bytes:
-    """The candidate's manifest on every rank, from the first node that holds it (rank 0 reads the remote's)."""
-    topo = tier.topology
-    nodes = [n for n in holders if n != "remote"]
-    first = topo.leader(min(nodes)) if nodes else 0
+def _shared_manifest(name: str, first: int, first_tier: str, tier: Tier, ranks: Ranks) -> bytes:
+    """The candidate's manifest on every rank, from ``first`` (the leader of the first node that holds it, reading
+    its ``first_tier``; rank 0 reads the remote's where no node holds it)."""
     data = None
     if ranks.rank == first:
-        store = tier.remote.store if not nodes else tier.stores()[held[topo.node][name]["tier"]]
+        store = tier.remote.store if first_tier == "remote" else tier.stores()[first_tier]
         with store.open(name, MANIFEST) as stream:
             data = stream.read()
     return broadcast_bytes(ranks, data, first, "choose")
@@ -316,7 +357,7 @@ def _refill(view: Holdings, manifest: Any, manifest_bytes: bytes, ranks: Ranks, 
             check_holding(tier.replica, manifest, manifest_bytes, replicas, key)
         except (TrainStateError, OSError):
             whole = False  # a replica holding from another placement: the next save replicates afresh
-    if tier.replicas > 1 and all(ranks.all_gather(whole, "refill")):
+    if tier.replicas > 1 and not ranks.sum([int(not whole)], "refill")[0]:
         _point(verified, ranks, tier, key, POINTER, tier.replica)
 
 

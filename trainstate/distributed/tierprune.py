@@ -44,25 +44,36 @@ def prune(tier: Tier, key: Any, ranks: Ranks, dry_run: bool = False) -> Plan | N
             pins = tier.lifecycle.pins()
         except (TrainStateError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-    every = ranks.all_gather({"pins": pins, "error": error}, "prune")
+    # every node's pins to rank 0, merged, and back to every rank: O(1) per rank where nodes hold no pins (the usual
+    # case), O(pins) where they do, never a frame from every rank to every rank
+    every = ranks.gather({"pins": pins, "error": error}, "prune")
+    merged = None
+    if ranks.rank == 0:
+        merged = {"unreadable": [f"rank {r}: {e['error']}" for r, e in enumerate(every) if e["error"]][:64],
+                  "pinned": {f"{rank}/{name}": generation for rank, e in enumerate(every)
+                             for name, generation in e["pins"].items()}}
+    merged = ranks.broadcast(merged, "prune")
     if not leader:
         return None
-    unreadable = [f"rank {r}: {e['error']}" for r, e in enumerate(every) if e["error"]]
-    if unreadable:
+    if merged["unreadable"]:
         log.error("not pruning: the pins of a node are unreadable (%s); fix or remove that pins file",
-                  "; ".join(unreadable))
+                  "; ".join(merged["unreadable"]))
         return Plan((), "not pruned: the pins of a node are unreadable")
-    pinned = {f"{rank}/{name}": generation for rank, e in enumerate(every) for name, generation in e["pins"].items()}
-    return _prune_node(tier, key, pinned, dry_run)
+    return _prune_node(tier, key, merged["pinned"], dry_run)
 
 
 def prune_now(tier: Tier, key: Any, ranks: Ranks, dry_run: bool) -> Plan:
     """``ckpt.prune()`` in a tiered run (collective): every node prunes both its stores, by every node's pins, as
     after a save; each rank returns its own node's plan."""
     plan = prune(tier, key, ranks, dry_run)
-    every = ranks.all_gather(None if plan is None else {"note": plan.note, "decisions": [
+    every = ranks.gather(None if plan is None else {"note": plan.note, "decisions": [
         [d.generation, d.keep, list(d.reasons), d.left_for_a_human] for d in plan.decisions]}, "prune-plan")
-    mine = every[tier.topology.leader(tier.topology.node)]
+    if ranks.rank == 0:  # each rank its node's plan (its leader's), O(1) per rank
+        first: dict[int, int] = {}
+        for rank, node in enumerate(tier.topology.node_of):
+            first.setdefault(node, rank)
+        every = [every[first[node]] for node in tier.topology.node_of]
+    mine = ranks.scatter(every if ranks.rank == 0 else None, "prune-plan")
     return Plan(tuple(Decision(g, k, tuple(r), h) for g, k, r, h in mine["decisions"]), mine["note"])
 
 

@@ -52,6 +52,7 @@ names the previous generation or the new one; a restore
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ from ..format.manifest import (MANIFEST, POINTER, RUN, Manifest, Pointer, genera
 from ..publish import Pending
 from ..records import GenerationInfo
 from ..revisions import log_same, same_files
+from ..storage.local import staging_name
 from ..storage.verify import Verified, read_manifest, read_pointed
 from .capture import RankSnapshot
 from .capture import sharded_bytes
@@ -110,9 +112,12 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publ
 # 1. begin -------------------------------------------------------------------------------------------------
 def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publisher: Any,
            key: Any) -> tuple[Any, BaseException | None]:
-    """Two rounds: every rank's name and size with each leader's report (its lock, leftovers, holdings, run, free
-    space) and rank 0's lineage; then each leader's staging directory. A non-leader joins its leader's staging
-    after the second round; its error (if any) is returned, and reported in the stage round."""
+    """Three rounds, O(1) bytes per rank: every rank's name and size, with each leader's report (its lock,
+    leftovers, holdings, run, free space), gathered to rank 0; rank 0's decision scattered, each rank its own (the
+    generation's name, the run, the bytes its node must hold, the staging directory's token, rank 0's lineage);
+    then each leader's staging directory begun, and one round says whether every node's did. A non-leader joins
+    its leader's staging (named by the token) after it; its error (if any) is returned, and reported in the stage
+    round."""
     size = sum(t.nbytes for t in snap.rank_tensors.values()) + sum(t.nbytes for t in snap.global_tensors.values())
     size += sum(sharded_bytes(v) for v in snap.dcp.values())
     pending.parent = publisher.renamed.get(pending.parent, pending.parent)  # a background save's revision
@@ -132,30 +137,25 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
                       "at": at.generation if at is not None and at.generation in own else None}
         except (TrainStateError, OSError) as exc:
             error = exc
-    lineage = pending.extra["lineage"] if ranks.rank == 0 else None
-    every = ranks.exchange({"name": pending.name, "size": size, "report": report, "lineage": lineage}, error,
-                     "begin")
-    if len({e["name"] for e in every}) != 1:
-        raise CheckpointFailed("begin", {r: f"saves {e['name']}" for r, e in enumerate(every)})
-    reports = [e["report"] for e in every]
-    run = next((r["run"] for r in reports if r.get("run")), None)
-    if run is None:  # a new run: rank 0 names it, every node records it
-        run = ranks.broadcast(publisher.run_identity() if ranks.rank == 0 else None, "begin")
-    name = _fresh_name(pending.name, [n for r in reports for n in r.get("names", ())])
-    # the state's parent at this update, held and named latest by every node: the same bytes commit nothing
-    same_as = pending.parent if name != pending.name and pending.parent is not None \
-        and parse_generation_name(pending.parent) == (pending.next_update, "full") \
-        and all(reports[topo.leader(n)].get("at") == pending.parent for n in range(topo.nodes)) else None
+    text = "" if error is None else f"{type(error).__name__}: {error}"[:1000]
+    every = ranks.gather({"name": pending.name, "size": size, "report": report, "error": text}, "begin")
+    mine = ranks.scatter(_decide_begin(every, pending, tier, publisher) if ranks.rank == 0 else None, "begin")
+    if "failed" in mine:
+        if error is not None:
+            raise error
+        raise CheckpointFailed("begin", {int(r): t for r, t in mine["failed"].items()})
+    name, run, same_as = mine["name"], mine["run"], mine["same_as"]
     error, staging = None, None
     if topo.is_leader:
         try:
-            _check_space(tier, name, [e["size"] for e in every], reports[topo.rank]["free"])
-            _adopt_run(tier, run, key, bool(reports[topo.rank]["names"]))
-            staging = tier.own.begin(name)
+            if tier.preflight and report["free"] is not None and report["free"] < mine["need"]:
+                raise InsufficientSpace(tier.own.location, name, mine["need"], report["free"])
+            _adopt_run(tier, run, key, bool(report["names"]))
+            staging = tier.own.begin(name, token=mine["token"])
         except (TrainStateError, OSError) as exc:
             error = exc
     try:
-        shared = ranks.exchange(staging.name if staging is not None else None, error, "begin")
+        ranks.check("begin", error)
     except BaseException:
         if staging is not None:
             staging.abort()  # another node refused (no space, another run): nothing of this save stays
@@ -164,14 +164,47 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publi
         publisher.was_published_as(pending.prepared, name)
         pending.name = name
     pending.extra["run"] = run
-    pending.extra["lineage"] = every[0]["lineage"]
+    pending.extra["lineage"] = mine["lineage"]
     joined = None
     if not topo.is_leader:  # the node's ranks write into their leader's staging directory
         try:
-            staging = tier.own.join(name, shared[topo.leader(topo.node)])
+            staging = tier.own.join(name, staging_name(name, mine["token"]))
         except (ValueError, OSError) as exc:
             joined = exc
     return staging, joined, same_as
+
+
+def _decide_begin(every: list[dict], pending: Pending, tier: Tier, publisher: Any) -> list[dict]:
+    """Rank 0: from every rank's name, size and report (each leader's), what each rank begins with: the failures,
+    or the generation's name (a revision when some node holds one of that name), the run (the one some node
+    records, else a new one), whether the state equals a generation every node holds at this update
+    (``same_as``), the bytes the rank's node must have free (its ranks' shares, the global files, the replicas it
+    receives; with headroom), the staging token, and rank 0's lineage."""
+    topo = tier.topology
+    failed = {r: e["error"] for r, e in enumerate(every) if e["error"]}
+    if not failed and len({e["name"] for e in every}) != 1:
+        failed = {r: f"saves {e['name']}" for r, e in enumerate(every)}
+    if failed:
+        return [{"failed": dict(list(failed.items())[:64])}] * len(every)
+    sizes, on_node, first = [e["size"] for e in every], [0] * topo.nodes, {}
+    for rank, node in enumerate(topo.node_of):  # (one pass: Topology.leader lists a node's ranks each call)
+        on_node[node] += sizes[rank]
+        first.setdefault(node, rank)
+    leaders = [every[first[n]]["report"] for n in range(topo.nodes)]
+    run = next((r["run"] for r in leaders if r.get("run")), None) or publisher.run_identity()
+    name = _fresh_name(pending.name, [n for r in leaders for n in r.get("names", ())])
+    # the state's parent at this update, held and named latest by every node: the same bytes commit nothing
+    same_as = pending.parent if name != pending.name and pending.parent is not None \
+        and parse_generation_name(pending.parent) == (pending.next_update, "full") \
+        and all(r.get("at") == pending.parent for r in leaders) else None
+    incoming = [0] * topo.nodes
+    for source, targets in enumerate(placement(topo.domains, tier.replicas)):
+        for target in targets:
+            incoming[target] += on_node[source]
+    need = [int((on_node[n] + sizes[0] + incoming[n] + (64 << 10)) * (1 + tier.headroom)) for n in range(topo.nodes)]
+    token = secrets.token_hex(8)
+    decided = {"name": name, "run": run, "same_as": same_as, "token": token, "lineage": pending.extra["lineage"]}
+    return [{**decided, "need": need[node]} for node in topo.node_of]
 
 
 def _base(tier: Tier, name: str, key: Any) -> tuple[Manifest, bytes] | None:
@@ -210,17 +243,6 @@ def _adopt_run(tier: Tier, run: str, key: Any, holds_any: bool) -> None:
             raise ExistingRun(f"{tier.own.location} holds generations of another run ({mine[:16]}); this run is "
                               f"{run[:16]}. Give this node an empty directory, or remove the old run's")
         tier.own.write_pointer(RUN, run_to_bytes(run, key))
-
-
-def _check_space(tier: Tier, name: str, sizes: list[int], free: int | None) -> None:
-    """What this node writes now (its ranks' shares and the global files) and the replicas it will receive."""
-    topo = tier.topology
-    mine = sum(sizes[r] for r in topo.ranks_on(topo.node)) + sizes[0]
-    incoming = sum(sizes[r] for source, targets in enumerate(placement(topo.domains, tier.replicas))
-                   if topo.node in targets for r in topo.ranks_on(source))
-    needed = int((mine + incoming + (64 << 10)) * (1 + tier.headroom))
-    if tier.preflight and free is not None and free < needed:
-        raise InsufficientSpace(tier.own.location, name, needed, free)
 
 
 # 2. stage, write ---------------------------------------------------------------------------------------------

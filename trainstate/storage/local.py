@@ -77,15 +77,20 @@ def _token() -> str:
     return secrets.token_hex(8)
 
 
+def staging_name(generation: str, token: str) -> str:
+    """The staging directory of ``generation`` begun with ``token``."""
+    return f"{_PREFIX}staging-{generation}-{token}"
+
+
 class LocalStaging:
     """A staging directory for one generation; see the module docstring."""
 
-    def __init__(self, store: LocalStore, generation: str, joined: str | None = None):
+    def __init__(self, store: LocalStore, generation: str, joined: str | None = None, token: str | None = None):
         self.generation = generation
         self._store = store
         self._ops = store.ops
         if joined is None:
-            self.path = store.root / f"{_PREFIX}staging-{generation}-{_token()}"
+            self.path = store.root / staging_name(generation, token or _token())
             self._ops.mkdir(self.path)
         else:  # another rank's staging directory, on a filesystem the ranks share
             if not re.fullmatch(rf"{re.escape(_PREFIX)}staging-{re.escape(generation)}-[0-9a-f]{{16}}", joined):
@@ -264,8 +269,12 @@ class LocalStore:
             raise CorruptGeneration(str(self.root / name), f"unreadable ({exc.strerror})") from None
 
     # writing -----------------------------------------------------------------
-    def begin(self, generation: str) -> LocalStaging:
-        return LocalStaging(self, generation)
+    def begin(self, generation: str, token: str | None = None) -> LocalStaging:
+        """A new staging directory for ``generation``; ``token`` (16 hex digits) names it where other ranks must
+        find it without being told (:func:`staging_name`), else a random one."""
+        if token is not None and not re.fullmatch(r"[0-9a-f]{16}", token):
+            raise ValueError(f"a staging token is 16 hex digits, not {token!r}")
+        return LocalStaging(self, generation, token=token)
 
     def join(self, generation: str, staging: str) -> LocalStaging:
         """The staging directory ``staging`` another rank began, to write this rank's files into."""
@@ -332,13 +341,19 @@ class LocalStore:
         self.ops.fsync_dir(self.root)
 
     def clean_leftovers(self) -> list[str]:
+        """Remove what interrupted writes left (staging directories, temporary files); one that vanishes while
+        this runs was a write that finished (a timing record renamed into place by the training thread while a
+        background save begins) and is not an error."""
         removed = []
         for name in self.leftovers():
             path = self.root / name
-            if path.is_dir() and not path.is_symlink():
-                self.ops.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                self.ops.unlink(path)
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    self.ops.rmtree(path)
+                elif path.exists() or path.is_symlink():
+                    self.ops.unlink(path)
+            except FileNotFoundError:
+                continue
             removed.append(name)
         return removed
 
