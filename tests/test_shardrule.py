@@ -196,3 +196,28 @@ def test_export_reads_a_rule_as_the_listed_form():
     assert dcp_items(raw, "test", files) == dcp_items(shardrule.explicit(raw, "test"), "test", files)
     assert dcp_items(raw, "test", files)["w"].chunks == (((0, 0), (3, 2), "shard-00000.safetensors", "w@0,0"),
                                                          ((3, 0), (2, 2), "shard-00001.safetensors", "w@3,0"))
+
+
+@pytest.mark.slow
+def test_the_commands_that_read_a_run_read_a_generation_by_rule(runs, tmp_path):
+    """``ls``, ``verify``, ``diff`` (the ranks' pieces compared) and ``export`` (full tensors from the shards) on the
+    3-rank FSDP2 run whose metadata is the rule (``diff`` of a generation with itself: every piece compared)."""
+    import subprocess
+    import sys
+
+    def cli(*argv):
+        done = subprocess.run([sys.executable, "-m", "trainstate", *argv], capture_output=True, text=True, timeout=120)
+        return done.returncode, done.stdout + done.stderr
+
+    three = runs["three"].out / "roundtrip_save_fsdp" / "run-fsdp"
+    assert "rule" in json.loads(next(three.glob("gen-*/dcp-metadata.json")).read_bytes())
+    for argv in (("ls", str(three)), ("verify", str(three))):
+        rc, out = cli(*argv)
+        assert rc == 0, out
+    gen = sorted(three.glob("gen-*"))[-1]
+    rc, out = cli("diff", str(gen), str(gen), "--json")
+    assert rc == 0 and json.loads(out)["first"] is None, out
+    rc, out = cli("export", str(three), str(tmp_path / "out"), "--json")
+    assert rc == 0, out
+    exported = sorted(p.name for p in (tmp_path / "out").rglob("*.safetensors"))
+    assert exported, out

@@ -53,7 +53,8 @@ from .group import Ranks
 from .tierfetch import Holdings
 from .tiers import (Tier, broadcast_bytes, holdings, node_files, parse_shared_manifest, placement, pointed,
                     rank_files, verified_from)
-from .tiersave import _point, _recorded_run, _write_checked, check_holding
+from .tierbegin import recorded_run
+from .tiersave import _point, _write_checked, check_holding
 
 log = logging.getLogger("trainstate")
 
@@ -68,7 +69,7 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     refill = refill if refill is not None else (lambda job: job(ranks))
     allow = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     topo = tier.topology
-    report = {"holds": holdings(tier.stores(), key), "run": _recorded_run(tier, key), "latest": _latest(tier, key),
+    report = {"holds": holdings(tier.stores(), key), "run": recorded_run(tier, key), "latest": _latest(tier, key),
               "where": f"{os.uname().nodename}:{tier.own.location}"} if topo.is_leader else {}
     # every leader's report to rank 0, which chooses the candidates and sends each rank its own node's holdings of
     # them: O(1) bytes per rank (rank 0 alone holds every node's, and plans every fetch round, Holdings.together)
@@ -347,7 +348,7 @@ def _refill(view: Holdings, manifest: Any, manifest_bytes: bytes, ranks: Ranks, 
             error = CheckpointFailed("refill", {ranks.rank: f"{type(exc).__name__}: {exc}"})
             error.__cause__ = exc
     ranks.check("refill", error)
-    if topo.is_leader and manifest.run and _recorded_run(tier, key) is None:  # a replacement node joins the run
+    if topo.is_leader and manifest.run and recorded_run(tier, key) is None:  # a replacement node joins the run
         tier.own.write_pointer(RUN, run_to_bytes(manifest.run, key))
     verified = verified_from(manifest, manifest_bytes)
     _point(verified, ranks, tier, key)

@@ -129,15 +129,11 @@ class Manifest:
     shares: dict = field(default_factory=dict)  # {file: the generation it was linked from} (format 4)
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
-        """The manifest as written: JSON, one space of indent, keys sorted, with its self-digest (and signature).
-        Encoded once (the self-digest covers the same encoding without its own line, :func:`_self_digest`), each
-        file record taken field by field (``asdict`` copied every record: half a second at 8,192 ranks)."""
-        data: dict = {"format": "trainstate"}
-        for item in fields(self):
-            data[item.name] = getattr(self, item.name)
-        data["files"] = [{"name": f.name, "size": f.size, "digest": f.digest, **({"chunks": list(f.chunks)}
-                                                                                if f.chunks else {})}
-                         for f in self.files]
+        """JSON, one space of indent, keys sorted, with its self-digest (and signature); encoded once, each file
+        record taken field by field (``asdict`` copied every record: half a second at 8,192 ranks)."""
+        data: dict = {"format": "trainstate", **{item.name: getattr(self, item.name) for item in fields(self)}}
+        data["files"] = [{"name": f.name, "size": f.size, "digest": f.digest} | ({"chunks": list(f.chunks)}
+                                                                              if f.chunks else {}) for f in self.files]
         for optional in ("data", "metrics", "retention", "lineage", "run", "ranks", "compute", "fingerprints",
                          "shares"):
             if not data[optional]:
@@ -199,9 +195,9 @@ _TOP_KEY = re.compile(r'\n "((?:[^"\\]|\\.)*)": ')
 
 
 def _with_top_level(body: str, own: dict[str, str]) -> str:
-    """``body`` (``json.dumps`` of an object, ``indent=1``, keys sorted) with the string fields ``own`` added where
-    the same call on the whole object puts them: byte for byte that encoding, without encoding it again. A
-    top-level key is the only line that starts with one space and a quote (deeper lines have more indent)."""
+    """``body`` (``json.dumps(..., indent=1, sort_keys=True)`` of an object) with the string fields ``own`` where
+    that call on the whole puts them, byte for byte: a top-level key is the only line starting with one space and
+    a quote."""
     for name, value in sorted(own.items()):
         line = f" {json.dumps(name)}: {json.dumps(value)}"
         after = next((m.start() for m in _TOP_KEY.finditer(body) if json.loads(f'"{m.group(1)}"') > name), None)

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from ..errors import CorruptGeneration
-from ..format import tensorfile
+from ..format import shardrule, tensorfile
+from ..format.manifest import MAX_DCP_METADATA_BYTES
 from ..storage.verify import read_json_file
 from .diffread import Side, TensorDiff, TensorReader, _Accumulator
 
@@ -63,8 +64,10 @@ def rank_records(side: Side) -> dict[int, dict[str, Any]]:
 
 def items(side: Side) -> dict[str, Item]:
     """The DCP items, from ``dcp-metadata.json`` (already verified with the rest of the generation)."""
-    raw = read_json_file(side.store, side.manifest, "dcp-metadata.json")
+    raw = read_json_file(side.store, side.manifest, "dcp-metadata.json", MAX_DCP_METADATA_BYTES)
     where = f"{side.manifest.generation}/dcp-metadata.json"
+    if type(raw) is dict and "rule" in raw:  # written by rule: every piece listed first
+        raw = shardrule.explicit(raw, where)
     out: dict[str, Item] = {}
     for fqn, spec in raw["items"].items():
         out[fqn] = Item(None) if spec == {"bytes": True} else Item(
