@@ -58,7 +58,14 @@ def begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publis
             error = exc
     text = "" if error is None else f"{type(error).__name__}: {error}"[:1000]
     every = ranks.gather({"name": pending.name, "size": size, "report": report, "error": text}, "begin")
-    mine = ranks.scatter(decide(every, pending, tier, publisher) if ranks.rank == 0 else None, "begin")
+    decided = None
+    if ranks.rank == 0:
+        try:
+            decided = decide(every, pending, tier, publisher)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it in this round, none waits for a timeout
+            error = error or exc
+            decided = [{"failed": {0: f"{type(exc).__name__}: {exc}"[:1000]}}] * len(every)
+    mine = ranks.scatter(decided, "begin")
     if "failed" in mine:
         if error is not None:
             raise error

@@ -75,9 +75,17 @@ def restore(state: TrainState, ranks: Ranks, tier: Tier, key: Any, *, generation
     # them: O(1) bytes per rank (rank 0 alone holds every node's, and plans every fetch round, Holdings.together)
     every = ranks.gather(report, "report")
     held_all = decided = None
+    failed: BaseException | None = None
     if ranks.rank == 0:
-        held_all, decided = _choose_candidates(every, tier, generation)
+        try:
+            held_all, decided = _choose_candidates(every, tier, generation)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it in this round, none waits for a timeout
+            failed, decided = exc, [{"failed": f"{type(exc).__name__}: {exc}"[:1000]}] * len(every)
     mine = ranks.scatter(decided, "report")
+    if "failed" in mine:
+        if failed is not None:
+            raise failed
+        raise CheckpointFailed("report", {0: mine["failed"]})
     held = held_all if ranks.rank == 0 else {topo.node: mine["holds"], **({"remote": mine["remote"]}
                                                                          if "remote" in mine else {})}
     with load.untouched_unless_loaded(state) as loading:
