@@ -171,6 +171,75 @@ def _roundtrip_save(out: Path, mode: str) -> dict:
             "by_rule": "rule" in metadata}
 
 
+def _frozen_base(seed: int = 0) -> ts.TrainState:
+    """FSDP2: a frozen Linear(1024, 1024) (2 MiB of each rank's shard at 2 ranks: a part once it is seen unchanged)
+    and a trained head."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 4))
+    model[0].requires_grad_(False)
+    model = wrap(model, "fsdp")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return ts.TrainState(model=model, optimizer=opt, contract={"config": {"mode": "frozen"}},
+                         rngs={"noise": torch.Generator().manual_seed(seed + 17 + dist.get_rank())})
+
+
+def _frozen_steps(state: ts.TrainState, n: int) -> None:
+    for _ in range(n):
+        x = torch.randn(4, 1024, generator=state.rngs["noise"])
+        state["model"](x).square().mean().backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+        state.next_update += 1
+
+
+@scenario
+def rule_incremental(out: Path) -> dict:
+    """Incremental saves (the default ``full_every``) by rule while every rank's shard is one file; listed once a
+    frozen block is laid out in a part (control). Rank 0 keeps its own fingerprints, as every rank does, though a
+    generation by rule records none (its second save lays the frozen block out in a part, like the others'), and
+    a restarted manager's first save, which has none, writes its shard whole, by rule. Each restore bitwise."""
+    result: dict = {}
+
+    def metadata(run: Path, name: str) -> dict:
+        return json.loads((run / name / "dcp-metadata.json").read_bytes())
+
+    changing, run = build("fsdp", loader=False), out / "changing"
+    names = []
+    with manager(run, keep_last=10) as ckpt:
+        for _ in range(3):
+            train(changing, 2)
+            names.append(ckpt.save(changing).name)
+    with manager(run, keep_last=10) as ckpt:  # a restarted process's first save: no fingerprints kept, none in the manifest
+        train(changing, 1)
+        names.append(ckpt.save(changing).name)
+    reference = full_state(changing)
+    fresh = build("fsdp", seed=5, loader=False)
+    with manager(run, keep_last=10) as ckpt:
+        ckpt.restore(fresh)
+    result["changing_by_rule"] = ["rule" in metadata(run, n) for n in names]
+    result["changing_prints"] = [bool(json.loads((run / n / "manifest.json").read_bytes()).get("fingerprints"))
+                                 for n in names]
+    result["changing_differs"] = same(full_state(fresh), reference)
+
+    frozen, run = _frozen_base(), out / "frozen"
+    names = []
+    with manager(run, keep_last=10) as ckpt:
+        for _ in range(3):
+            _frozen_steps(frozen, 1)
+            names.append(ckpt.save(frozen).name)
+    reference = full_state_of(frozen)
+    fresh = _frozen_base(seed=9)
+    with manager(run, keep_last=10) as ckpt:
+        ckpt.restore(fresh)
+    result["frozen_by_rule"] = ["rule" in metadata(run, n) for n in names]
+    listed = [json.loads((run / n / "manifest.json").read_bytes()) for n in names]
+    result["rank_parts"] = [[r for r in range(dist.get_world_size())
+                             if any(f["name"].startswith(f"shard-{r:05d}-part-") for f in m["files"])] for m in listed]
+    result["frozen_shares"] = [len(m.get("shares", {})) for m in listed]
+    result["frozen_differs"] = same(full_state_of(fresh), reference)
+    return result
+
+
 @scenario
 def roundtrip_save_ddp(out: Path) -> dict:
     return _roundtrip_save(out, "ddp")
@@ -443,12 +512,12 @@ def _raise_in(target: str, rank: int):
             return real(self, plan, planner)
         storage.Writer.write_data = write_data
         return lambda: setattr(storage.Writer, "write_data", real)
-    real = storage.Writer.finish
+    real = storage.Writer.finish_data  # rank 0's finish, listed or by rule
 
-    def finish(self, metadata, results):
+    def finish_data(self, data, shards, fields):
         raise OSError(5, "injected EIO in finish")
-    storage.Writer.finish = finish
-    return lambda: setattr(storage.Writer, "finish", real)
+    storage.Writer.finish_data = finish_data
+    return lambda: setattr(storage.Writer, "finish_data", real)
 
 
 @scenario
@@ -744,6 +813,31 @@ def rank0_only_save(out: Path) -> dict:
 
 
 @scenario
+def manager_missing(out: Path) -> dict:
+    """A rank that never creates its manager (a ``CheckpointManager`` made under ``if rank == 0``): rank 0's
+    first save fails within the join timeout with SaveNotJoined saying so, not after the collective timeout.
+    Rank 1 stays alive meanwhile (training elsewhere), then both processes end."""
+    rank, run = dist.get_rank(), out / "run"
+    result: dict = {"ok": True}
+    started = time.monotonic()
+    if rank == 0:
+        state = build("fsdp", loader=False)
+        try:
+            with manager(run) as ckpt:
+                started = time.monotonic()
+                ckpt.save(state)
+            result["outcome"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+            result.update(outcome=type(exc).__name__, message=str(exc)[:1500], missing=getattr(exc, "missing", None))
+        result["seconds_to_raise"] = round(time.monotonic() - started, 2)
+        result["generations"] = sorted(n for n in os.listdir(run) if n.startswith("gen-"))
+    else:
+        time.sleep(float(os.environ.get("TRAINSTATE_SAVE_JOIN_TIMEOUT_S", "2")) + 6)
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    os._exit(3)
+
+
+@scenario
 def collectives(out: Path) -> dict:
     """The JSON and byte collectives at the edges of their one-round room: small values in one round, a value
     over the room (on one rank only) in a second, ``None`` and empty bytes."""
@@ -788,10 +882,10 @@ def _gloo_threads() -> int:
 
 @scenario
 def groups_released(out: Path) -> dict:
-    """Each manager creates three gloo groups; close destroys them: after a normal close their threads and
+    """Each manager creates two gloo groups; close destroys them: after a normal close their threads and
     sockets too, after one with an exception propagating (on every rank here) by name only, never waiting on a
     collective. A closed manager's save raises InvalidArgument. Control: a close that keeps its groups leaves
-    three more, and their threads."""
+    two more, and their threads."""
     from torch.distributed.distributed_c10d import _world
 
     from trainstate.distributed.session import Session

@@ -38,3 +38,19 @@ def test_nothing_was_written_and_the_job_ends(partial):
     result = partial.result("rank0_only_save", 0)
     assert result["generations"] == [] and result["leftovers"] == [], result
     assert partial.returncode != 0, partial.log[-3000:]  # torchrun reports the failed job; nothing hangs
+
+
+@pytest.fixture(scope="module")
+def missing(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("missing"), ["manager_missing"], timeout=120, monitor=5,
+                  env={"TRAINSTATE_TEST_TIMEOUT": str(COLLECTIVE_S), "TRAINSTATE_SAVE_JOIN_TIMEOUT_S": str(JOIN_S)})
+
+
+def test_a_manager_one_rank_never_made_fails_the_first_save_fast(missing):
+    """The groups' connections are made in the background at set-up; the first save waits for them no longer
+    than the join timeout, and says which mistake to look for."""
+    result = missing.result("manager_missing", 0)
+    assert result["outcome"] == "SaveNotJoined", result
+    assert "never created its CheckpointManager" in result["message"], result["message"]
+    assert JOIN_S <= result["seconds_to_raise"] < JOIN_S + 5 < COLLECTIVE_S, result
+    assert result["generations"] == [], result

@@ -149,13 +149,31 @@ def test_saved_by_rule_reshards_bitwise(runs, mode, ranks):
         assert result["differs"] == [], result
 
 
+@pytest.fixture(scope="module")
+def incremental(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("rule-incremental"), ["rule_incremental"], ranks=2)
+
+
 @pytest.mark.slow
-def test_the_incremental_default_still_lists_every_chunk(runs, tmp_path):
-    """Control: with ``full_every`` each rank's shard is laid out by what changes, which no rule says: listed."""
-    from distlaunch import launch as again
-    launched = again(tmp_path, ["roundtrip_save_fsdp"], ranks=2)
-    assert not launched.ok("roundtrip_save_fsdp", 2)[0]["by_rule"]
-    assert runs["two"].ok("roundtrip_save_fsdp", 2)[0]["by_rule"]
+def test_incremental_saves_go_by_rule_while_each_shard_is_one_file(incremental):
+    """The default ``full_every``: a state whose every tensor changes is saved by rule at every save, its
+    manifest without fingerprints (O(N), not O(items x N)), a restarted manager's first save too; bitwise."""
+    for result in incremental.ok("rule_incremental", 2):
+        assert result["changing_by_rule"] == [True] * 4, result
+        assert result["changing_prints"] == [False] * 4, result
+        assert result["changing_differs"] == [], result
+
+
+@pytest.mark.slow
+def test_a_shard_with_parts_is_listed_and_rank0_keeps_its_own_fingerprints(incremental):
+    """Control: a frozen block laid out in a part (second save) and linked (third) names files no rule says:
+    listed. Rank 0 lays its block out in a part like every rank, so it kept its own fingerprints from a
+    generation by rule, whose manifest has none."""
+    for result in incremental.ok("rule_incremental", 2):
+        assert result["frozen_by_rule"] == [True, False, False], result
+        assert result["rank_parts"] == [[], [0, 1], [0, 1]], result
+        assert result["frozen_shares"][0] == 0 and result["frozen_shares"][2] >= 2, result
+        assert result["frozen_differs"] == [], result
 
 
 def test_a_ranks_view_lists_only_the_chunks_its_own_box_meets():

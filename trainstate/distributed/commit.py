@@ -265,8 +265,9 @@ def _verify_and_publish(pending: Pending, ranks: Ranks, store: Any, publisher: P
         if ranks.rank == 0:
             raise error
         raise CheckpointFailed(shared["phase"], {0: shared["error"]})
-    if pending.manifest is None and getattr(pending, "increment", None) is not None:
-        pending.manifest = rank_view(pending.name, store.digest_algorithm, written["own"])
+    if getattr(pending, "increment", None) is not None:
+        pending.own = rank_view(pending.name, store.digest_algorithm, written["own"])
+        pending.manifest = pending.manifest or pending.own
     pending.linked = shared["linked"]
     if ranks.rank == 0:
         try:

@@ -6,11 +6,11 @@ a timeout of their own, so that a hung or killed rank makes the survivors
 raise :class:`CheckpointFailed` instead of waiting out the training group's
 30-minute default. One group serves the caller's thread (restore, blocking
 saves, ``wait``/``close``), another the background writer: two threads never
-interleave collectives on one group. A third group, with a short timeout of
-its own, runs only the join that opens each save (:meth:`Ranks.join`): a
-save that only some ranks entered (``if rank == 0: save(...)``) fails there
-in seconds, naming the ranks that stayed away, instead of waiting out the
-collective timeout and blaming a dead peer.
+interleave collectives on one group. Each save opens with a join on the
+caller's group, a monitored barrier with a short timeout of its own
+(:meth:`Ranks.join`): a save that only some ranks entered (``if rank == 0:
+save(...)``) fails there in seconds, naming the ranks that stayed away,
+instead of waiting out the collective timeout and blaming a dead peer.
 
 Values cross ranks as JSON in uint8 tensors, never as pickles.
 """
@@ -46,12 +46,34 @@ class Ranks:
 
     rank: int
     world_size: int
-    group: Any  # a gloo ProcessGroup
+    connected: Any  # a gloo ProcessGroup (see :attr:`group`)
     timeout_s: float
-    join_group: Any = None  # a gloo group with timeout join_timeout_s, for join() only
-    join_timeout_s: float = 0.0
+    join_timeout_s: float = 0.0  # > 0: this group opens each save with join()
     unjoined: SaveNotJoined | None = None  # a failed join: saves are out of step for good
     destroyed: bool = False  # by the manager's close: its checkpoint collectives are over
+    probe: Any = None  # the set-up's connecting gather, in flight until the group's first use
+
+    @property
+    def group(self) -> Any:
+        """The gloo group, its connections to rank 0 made: the set-up's gather (:func:`checkpoint_groups`) runs in
+        gloo's own threads while the caller goes on; the first collective waits for it here."""
+        if self.probe is not None:
+            self._connect()
+        return self.connected
+
+    def _connect(self) -> None:
+        probe, self.probe = self.probe, None
+        timeout = self.join_timeout_s or self.timeout_s
+        try:
+            if not probe.wait(datetime.timedelta(seconds=timeout)):
+                raise RuntimeError("timed out")
+        except RuntimeError as exc:
+            missing = "some rank" if self.rank else "a rank"
+            self.unjoined = SaveNotJoined(
+                f"the checkpoint groups' set-up did not finish within {timeout:g} s: {missing} never created its "
+                f"CheckpointManager (or died since). Create the manager on every rank, with the same arguments "
+                f"({type(exc).__name__}: {exc})", [], timeout)
+            raise self.unjoined from exc
 
     @property
     def is_coordinator(self) -> bool:
@@ -241,14 +263,14 @@ class Ranks:
         still run one of its collectives, and a join would wait for it: the group lives until the process
         ends, which is what such a close leads to."""
         self.destroyed = True
-        for group in (self.group, self.join_group):
-            try:
-                if group is not None and not isinstance(group, _Closed):
-                    dist.destroy_process_group(group)
-            except ValueError:  # destroyed already: by destroy_process_group() of the whole world
-                pass
+        group = self.connected
+        try:
+            if group is not None and not isinstance(group, _Closed):
+                dist.destroy_process_group(group)
+        except ValueError:  # destroyed already: by destroy_process_group() of the whole world
+            pass
         if clean:
-            self.group = self.join_group = _CLOSED
+            self.connected, self.probe = _CLOSED, None
 
     def barrier(self, phase: str) -> None:
         if self.unjoined is not None:  # a save some ranks never entered: they are elsewhere (training), so
@@ -260,20 +282,22 @@ class Ranks:
     def join(self, what: str = "save") -> None:
         """Return once every rank has entered ``what``; raise :class:`SaveNotJoined` after the join timeout.
 
-        A monitored barrier on the join group: rank 0 names every rank that
-        did not arrive; another rank learns only that rank 0 did not confirm.
-        A timeout there breaks the join group (gloo aborts its pending
-        operations), so every later save of this manager refuses at once.
+        A monitored barrier with the join timeout: rank 0 names every rank
+        that did not arrive; another rank learns only that rank 0 did not
+        confirm. A timeout there breaks the group (gloo aborts its pending
+        operations), so every later checkpoint collective of this manager
+        refuses at once.
         """
         _refuse_destroyed(self, what)
-        if self.join_group is None or self.world_size == 1:
+        if not self.join_timeout_s or self.world_size == 1:
             return
         if self.unjoined is not None:
             raise SaveNotJoined(f"{self.unjoined} (raised earlier; this manager cannot {what} again in this "
                                 "process: restart the job)", self.unjoined.missing, 0.0)
+        group = self.group
         started = time.monotonic()
         try:
-            dist.monitored_barrier(group=self.join_group, timeout=datetime.timedelta(seconds=self.join_timeout_s),
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=self.join_timeout_s),
                                    wait_all_ranks=True)
         except RuntimeError as exc:
             if self.rank != 0 and "timed out" not in str(exc).lower():  # a reset connection: rank 0 is gone
@@ -389,25 +413,30 @@ def join_timeout(timeout_s: float) -> float:
 
 
 def checkpoint_groups(group: Any, timeout_s: float) -> tuple[Ranks, Ranks]:
-    """Gloo groups over the ranks of ``group`` (default: the world): the caller's (with the join group that
-    opens each save) and the writer's."""
+    """Gloo groups over the ranks of ``group`` (default: the world): the caller's (whose first round of each save
+    is the join) and the writer's.
+
+    Both connect lazily (:func:`_lazy_connections`). The join's monitored barrier must name a rank that stays
+    away within the join timeout, and a first connection to that rank would instead wait out gloo's connect
+    timeout, saying nothing: its connections (rank 0 to each rank, the barrier's only ones, and the ones every
+    round of the protocol uses) are made by one gather started here, which gloo's threads run while the caller
+    goes on. The caller's group waits for it at its first use (:attr:`Ranks.group`)."""
     joining = join_timeout(timeout_s)
     members = None if group is None else dist.get_process_group_ranks(group)
-    def made(seconds: float) -> Any:
-        return dist.new_group(ranks=members, backend="gloo", timeout=datetime.timedelta(seconds=seconds),
+
+    def made() -> Any:
+        return dist.new_group(ranks=members, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
                               use_local_synchronization=False)
 
     with _lazy_connections():
-        made = [made(seconds) for seconds in (timeout_s, timeout_s, joining)]
-    # the join's monitored barrier must name a rank that stays away within the join timeout; a first connection to
-    # that rank would instead wait out gloo's connect timeout, saying nothing. Its connections (rank 0 to each rank,
-    # the barrier's only ones) are made now, by one gather
-    probe = torch.zeros(1, dtype=torch.uint8)
-    root = _global_rank(made[2], 0)
-    dist.gather(probe, gather_list=[torch.zeros(1, dtype=torch.uint8) for _ in range(dist.get_world_size(made[2]))]
-                if dist.get_rank(made[2]) == 0 else None, dst=root, group=made[2])
-    rank, world = dist.get_rank(made[0]), dist.get_world_size(made[0])
-    return Ranks(rank, world, made[0], timeout_s, made[2], joining), Ranks(rank, world, made[1], timeout_s)
+        caller, writer = made(), made()
+    rank, world = dist.get_rank(caller), dist.get_world_size(caller)
+    probe = None
+    if world > 1:
+        probe = dist.gather(torch.zeros(1, dtype=torch.uint8), dst=_global_rank(caller, 0), group=caller,
+                            gather_list=[torch.zeros(1, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None,
+                            async_op=True)
+    return (Ranks(rank, world, caller, timeout_s, joining, probe=probe), Ranks(rank, world, writer, timeout_s))
 
 
 LAZY_ENV = "TORCH_GLOO_LAZY_INIT"

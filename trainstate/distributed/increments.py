@@ -24,7 +24,11 @@ generation to fall back to when a shared file is damaged. Each rank keeps
 its view of the last generation it published (its own files, their
 fingerprints and shares, and rank 0's word on whether any rank linked: the
 manifest itself, O(N), never crosses ranks), so a steady save reads nothing
-from the store to decide.
+from the store to decide. A generation whose every rank wrote its shard as one
+file is saved by rule (:func:`.saveplan.by_rule`) and its manifest records no
+fingerprints: they live only in each rank's view, and the first save of a
+restarted process, which has none, writes its shard whole (as it would
+anyway: it probes).
 """
 
 from __future__ import annotations

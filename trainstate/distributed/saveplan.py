@@ -78,7 +78,7 @@ def write(state_dict: dict[str, Any], writer: Writer, ranks: Ranks,
             planner = SavePlanner()
             planner.set_up_planner(state_dict, is_coordinator=ranks.rank == 0)
             plan = planner.create_local_plan()
-            rule = rule_of(planner, plan, ranks) if writer.increment is None else None
+            rule = rule_of(planner, plan, ranks)
             plan = planner.finish_plan(dataclasses.replace(plan, items=own_items(planner, plan, ranks)))
             results = writer.write_data(plan, planner).value()
             listed = describe(plan, results, writer.rank_files, planner.mappings)
@@ -259,8 +259,13 @@ def _fill_bytes(rule: dict, results: list[WriteResult], rank: int) -> dict | Non
 
 def by_rule(rule: dict | None, results: list[WriteResult], rank_files: list[FileRecord], rank: int) -> dict:
     """This rank's piece when what it wrote is exactly what ``rule`` says it writes (every item, file and entry;
-    checked here, so that rank 0 can trust the rule): its files' records alone. Else ``{}``."""
-    if rule is None:
+    checked here, so that rank 0 can trust the rule): its files' records alone. Else ``{}``.
+
+    With ``full_every`` that holds while the rank's shard is one file (what changed, and everything small):
+    its fingerprints then stay with the rank (:class:`.increments.RankIncrements` keeps them for its next
+    save), out of the manifest, which a rule keeps O(N). A shard with parts (a frozen block of 1 MiB or more
+    laid out apart, or linked from the parent) names files no rule says: it is listed."""
+    if rule is None or any(r.storage_data.get("share") for r in results):
         return {}
     written = {(r.index.fqn, tuple(r.index.offset) if r.index.offset is not None else None, r.storage_data["file"],
                 r.storage_data["entry"]) for r in results}

@@ -42,6 +42,7 @@ class DistPending(Pending):
     increment: Any = None  # full_every: what this rank's shard may link (increments.ShardPlan)
     manifest: Any = None  # the committed manifest (rank 0's; elsewhere this rank's view, or as every rank parsed it)
     linked: bool | None = None  # whether any rank's file in it is linked (rank 0's word; None: read the manifest)
+    own: Any = None  # full_every: this rank's files as it wrote them (increments.rank_view), prints included
 
     def changed_bytes(self, manifest: Any, store: Any = None) -> None:
         """Unknown until written: the shards' bytes exist only once DCP has planned and written them, so
@@ -173,7 +174,10 @@ class Session:
                                   manager._publisher if self.rank == 0 else None, manager.key,
                                   content=manager._publisher.verify_mode == "full")
         if self.increments is not None:
-            self.increments.published(pending.manifest, pending.increment, pending.prepared, pending.linked)
+            # this rank's own view (its files' fingerprints, which a generation by rule leaves out of the manifest),
+            # once published under its own name (not when every byte equalled an older generation's)
+            mine = pending.own if pending.manifest is not None and pending.own is not None else pending.manifest
+            self.increments.published(mine, pending.increment, pending.prepared, pending.linked)
         return info
 
     def _publish_tiered(self, manager: Any, pending: DistPending, ranks: Ranks, background: bool) -> GenerationInfo:

@@ -70,6 +70,7 @@ from . import saveplan
 from .capture import RankSnapshot
 from .commit import build_manifest, stage_records
 from .group import Ranks, _global_rank, collective
+from .increments import rank_view
 from .storage import DCP_METADATA, Writer
 from .tierbegin import begin as _begin  # (by this name: the benchmarks time each step of publish)
 from .tiers import GLOBAL_FILES, Tier, broadcast_bytes, node_files, placement, rank_files, verified_from
@@ -97,7 +98,7 @@ def publish(snap: RankSnapshot, pending: Pending, ranks: Ranks, tier: Tier, publ
             log_same(manifest.generation)
             return GenerationInfo.from_verified(tier.own, verified_from(manifest, manifest_bytes)), b""
         verified = _verify(manifest, manifest_bytes, ranks, tier, key, error)
-        pending.manifest = manifest  # (full_every: the next save's parent, see .increments)
+        pending.manifest, pending.linked = manifest, bool(manifest.shares)  # (full_every: see .increments)
         _point(verified, ranks, tier, key)
     except BaseException:
         if tier.topology.is_leader:
@@ -149,6 +150,8 @@ def _write(snap: RankSnapshot, pending: Pending, ranks: Ranks, staging: Any, rec
 
     writer = Writer(staging, ranks.rank, ranks.world_size, records, manifest, getattr(pending, "increment", None))
     saveplan.save(snap.dcp, writer, ranks)
+    if writer.increment is not None:  # the next save's plan: this rank's own files, prints included
+        pending.own = rank_view(pending.name, staging._store.digest_algorithm, writer.own)
     if ranks.rank != 0:
         return b""
     if "same" in written:

@@ -38,8 +38,9 @@ class KillPlan:
     """When to SIGKILL one worker start.
 
     ``save``: after a ``saving`` line (which one: ``fraction`` of the saves
-    still ahead), wait ``delay`` times the reference's median save duration, so
-    kills reach every phase of a save on a slow disk or a fast one. ``time``:
+    still ahead, never the last), wait ``delay`` times the reference's median
+    save duration, so kills reach every phase of a save on a slow disk or a
+    fast one; with one save left, as ``time``. ``time``:
     after a ``step`` line (which one: ``fraction`` of the updates still ahead),
     wait ``delay`` times the reference's time per update, which lands anywhere
     in training or saving but never after the end, however fast the worker
@@ -336,10 +337,11 @@ def _drive(child: _Child, plan: KillPlan | None, share: float, cfg: DrillConfig,
             continue
         if word == "training":
             saves, updates = _saves_left(cfg, int(rest)), cfg.total - int(rest)
-            if plan.mode == "time" and updates:
+            if plan.mode == "save" and saves > 1:  # not the last save: one faster than the reference's would end
+                # the run before its kill (the worker exits), and the trial would have one kill fewer than planned
+                target = ("saving", min(saves - 1, 1 + int(plan.fraction * math.ceil(share * saves))), timing.save_s)
+            elif plan.mode in ("time", "save") and updates:  # a time never past the end: the last save's kill too
                 target = ("step", int(plan.fraction * math.ceil(share * updates)), timing.per_update_s)
-            elif plan.mode == "save" and saves:
-                target = ("saving", 1 + int(plan.fraction * math.ceil(share * saves)), timing.save_s)
             elif plan.mode == "upload" and saves:  # the upload starts as the save returns
                 target = ("saved", 1 + int(plan.fraction * math.ceil(share * saves)), timing.upload_s)
         elif target is not None and word == target[0]:
