@@ -369,6 +369,49 @@ def bit_flip(out: Path) -> dict:
 
 
 @scenario
+def missing_file(out: Path) -> dict:
+    """A restore holds open only this rank's share of the files (plus what it reads), not every file of the
+    generation on every rank; a file gone from the newest generation, whichever rank's, is still found before
+    anything loads (its share's rank), and every rank falls back to the one before, bitwise."""
+    from trainstate.restore import HeldFiles
+
+    rank, world, result = dist.get_rank(), dist.get_world_size(), {}
+    for lost in range(world):
+        run = out / f"run-{lost}"
+        state = build("fsdp")
+        with manager(run, keep_last=5) as ckpt:
+            train(state, 3)
+            ckpt.save(state)
+            older = full_state(state)
+            train(state, 2)
+            ckpt.save(state)
+        newest = full_state(state)
+        opened: list[str] = []
+        real = HeldFiles.open
+        HeldFiles.open = lambda self, generation, file: (opened.append(file), real(self, generation, file))[1]
+        try:
+            fresh = build("fsdp", seed=8)
+            with manager(run) as ckpt:
+                ckpt.restore(fresh)
+        finally:
+            HeldFiles.open = real
+        result[f"whole-{lost}"] = same(full_state(fresh), newest)
+        result[f"others-{lost}"] = sorted({f for f in opened if f.startswith("rank-") and f != f"rank-{rank:05d}.json"
+                                           and not f.startswith(f"rank-{rank:05d}.")})
+        if rank == 0:
+            (run / "gen-000000000005" / f"shard-{lost:05d}.safetensors").unlink()
+        dist.barrier()
+        fresh = build("fsdp", seed=8)
+        with manager(run) as ckpt:
+            info = ckpt.restore(fresh)
+            result[f"usable-{lost}"] = ckpt.save(fresh) is not None  # nothing loaded from the damaged one
+        result[f"generation-{lost}"] = info.generation.name
+        result[f"rejected-{lost}"] = [r.generation for r in info.rejected]
+        result[f"differs-{lost}"] = same(full_state(fresh), older)
+    return result
+
+
+@scenario
 def no_pickle(out: Path) -> dict:
     """A restore runs with pickle.load, pickle.loads and torch.load forbidden; a crafted metadata file is just
     corrupt; the stock DCP reader trips the same guard (the control)."""

@@ -14,7 +14,7 @@ from distlaunch import launch
 
 pytestmark = pytest.mark.slow
 
-MAIN = ["roundtrip_save_ddp", "roundtrip_save_fsdp", "exact_resume", "bit_flip", "no_pickle", "replica_divergence",
+MAIN = ["roundtrip_save_ddp", "roundtrip_save_fsdp", "exact_resume", "bit_flip", "missing_file", "no_pickle", "replica_divergence",
         "existing_generation", "raised_faults", "background", "one_rank_refuses", "one_rank_refuses_control",
         "collectives", "groups_released"]
 FAULTS = ["kill_rank1_write", "kill_rank0_rename", "hang_rank1_write"]
@@ -84,6 +84,20 @@ def test_exact_resume_at_world_size_2_and_each_ranks_streams(runs):
     for result in runs["two"].ok("exact_resume"):
         assert result["identical"] and result["full_differs"] == [], result
         assert result["rank_differs"] == [], result  # this rank's generator, global RNG, loader position, next ids
+
+
+def test_a_restore_holds_its_share_and_a_lost_file_of_any_rank_is_found_before_loading(runs):
+    """Each rank holds open its share of the files (and what it reads): not another rank's own files, where it
+    held every file of the generation before (O(files) opens a rank, O(files x N) over the job). A shard gone
+    from the newest generation, whichever rank's, is still found by the rank whose share it is, before anything
+    loads: every rank falls back to the one before, bitwise, and the state is usable (its save works)."""
+    for rank, result in enumerate(runs["two"].ok("missing_file")):
+        for lost in range(2):
+            assert result[f"whole-{lost}"] == [], result
+            assert result[f"others-{lost}"] == [], (rank, result)  # no other rank's own file opened
+            assert result[f"generation-{lost}"] == "gen-000000000003", result
+            assert result[f"rejected-{lost}"] == ["gen-000000000005"], result
+            assert result[f"differs-{lost}"] == [] and result[f"usable-{lost}"], result
 
 
 def test_swapped_rank_rng_is_caught_where_a_model_only_comparison_is_not(runs):

@@ -312,14 +312,19 @@ def _same(pending: Pending, publisher: Publisher | None, same: dict) -> Generati
     return info
 
 
-def verify_share(store: Any, manifest: Manifest, ranks: Ranks, skip: set[str] = frozenset()) -> None:
-    """Digest this rank's share of a generation's files: the files a rank wrote go to that rank (modulo the
-    world size), so each rank checks what it will load itself; the global files go to rank 0. ``skip``: files
-    verified elsewhere (a restore's shards, chunk by chunk as they load)."""
+def share_of(manifest: Manifest, ranks: Ranks) -> list[FileRecord]:
+    """This rank's share of a generation's files: the files a rank wrote go to that rank (modulo the world size),
+    so each rank checks what it will load itself; the global files go to rank 0. Every file in one share."""
     owner = {name: r for r, names in enumerate(manifest.ranks) for name in names if not name.startswith(
         ("state.json", "tensors.safetensors", "dcp-metadata.json"))}
-    for record in manifest.files:
-        if owner.get(record.name, 0) % ranks.world_size != ranks.rank or record.name in skip:
+    return [record for record in manifest.files if owner.get(record.name, 0) % ranks.world_size == ranks.rank]
+
+
+def verify_share(store: Any, manifest: Manifest, ranks: Ranks, skip: set[str] = frozenset()) -> None:
+    """Digest this rank's share of a generation's files (:func:`share_of`). ``skip``: files verified elsewhere (a
+    restore's shards, chunk by chunk as they load)."""
+    for record in share_of(manifest, ranks):
+        if record.name in skip:
             continue
         where = f"{manifest.generation}/{record.name}"
         try:

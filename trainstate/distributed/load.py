@@ -47,7 +47,7 @@ from ..storage.chunked import Progress
 from ..storage.fetched import Fetched
 from ..storage.verify import decode_verified, read_json_file, verify_generation
 from .capture import contract_fields, loaded_in_place, sharded_state
-from .commit import verify_share
+from .commit import share_of, verify_share
 from .group import Ranks
 from .payload import check_sharded, merge, rank_record, sharded_record
 from .planner import LoadPlanner
@@ -233,7 +233,10 @@ def _check_candidate(held: HeldFiles | Fetched, name: str, pointer: Any, run: st
             raise StateMismatch(f"{name} was written by a single process; restore it without torchrun (or "
                                 "save it again from a multi-rank run)")
         if not isinstance(held, Fetched):
-            for record in verified.manifest.files:  # hold every file: what loads later is what is verified now
+            # this rank's share held open (each file by one rank: a file gone is found before anything loads,
+            # with O(files / N) opens a rank, not every file of the generation on every rank); what else it
+            # reads (the global files, other ranks' shards its load plan meets) is held from its first read on
+            for record in share_of(verified.manifest, ranks):
                 held.open(name, record.name).close()
             # the shards' chunks are verified as DCP loads them (one pass, storage.Reader); the rest here
             verify_share(held, verified.manifest, ranks, skip=_loaded_verified(verified.manifest) if one_pass else ())
