@@ -29,6 +29,7 @@ collectives are in :mod:`.tiersave` and :mod:`.tierload`.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -61,11 +62,19 @@ class Topology:
     def node(self) -> int:
         return self.node_of[self.rank]
 
+    @functools.cached_property
+    def _members(self) -> tuple[tuple[int, ...], ...]:
+        """Each node's ranks, in order: indexed once (rank 0 asks for every node's at restore and refill)."""
+        members: list[list[int]] = [[] for _ in range(self.nodes)]
+        for r, n in enumerate(self.node_of):
+            members[n].append(r)
+        return tuple(tuple(m) for m in members)
+
     def ranks_on(self, node: int) -> list[int]:
-        return [r for r, n in enumerate(self.node_of) if n == node]
+        return list(self._members[node])
 
     def leader(self, node: int) -> int:
-        return self.ranks_on(node)[0]
+        return self._members[node][0]
 
     @property
     def is_leader(self) -> bool:
