@@ -194,7 +194,7 @@ def _frozen_steps(state: ts.TrainState, n: int) -> None:
 
 @scenario
 def rule_incremental(out: Path) -> dict:
-    """Incremental saves (the default ``full_every``) by rule while every rank's shard is one file; listed once a
+    """Incremental saves (``full_every=8``, the default, whatever $TRAINSTATE_TEST_FULL_EVERY says) by rule while every rank's shard is one file; listed once a
     frozen block is laid out in a part (control). Rank 0 keeps its own fingerprints, as every rank does, though a
     generation by rule records none (its second save lays the frozen block out in a part, like the others'), and
     a restarted manager's first save, which has none, writes its shard whole, by rule. Each restore bitwise."""
@@ -205,16 +205,16 @@ def rule_incremental(out: Path) -> dict:
 
     changing, run = build("fsdp", loader=False), out / "changing"
     names = []
-    with manager(run, keep_last=10) as ckpt:
+    with manager(run, keep_last=10, full_every=8) as ckpt:
         for _ in range(3):
             train(changing, 2)
             names.append(ckpt.save(changing).name)
-    with manager(run, keep_last=10) as ckpt:  # a restarted process's first save: no fingerprints kept, none in the manifest
+    with manager(run, keep_last=10, full_every=8) as ckpt:  # a restarted process's first save: no fingerprints kept, none in the manifest
         train(changing, 1)
         names.append(ckpt.save(changing).name)
     reference = full_state(changing)
     fresh = build("fsdp", seed=5, loader=False)
-    with manager(run, keep_last=10) as ckpt:
+    with manager(run, keep_last=10, full_every=8) as ckpt:
         ckpt.restore(fresh)
     result["changing_by_rule"] = ["rule" in metadata(run, n) for n in names]
     result["changing_prints"] = [bool(json.loads((run / n / "manifest.json").read_bytes()).get("fingerprints"))
@@ -223,13 +223,13 @@ def rule_incremental(out: Path) -> dict:
 
     frozen, run = _frozen_base(), out / "frozen"
     names = []
-    with manager(run, keep_last=10) as ckpt:
+    with manager(run, keep_last=10, full_every=8) as ckpt:
         for _ in range(3):
             _frozen_steps(frozen, 1)
             names.append(ckpt.save(frozen).name)
     reference = full_state_of(frozen)
     fresh = _frozen_base(seed=9)
-    with manager(run, keep_last=10) as ckpt:
+    with manager(run, keep_last=10, full_every=8) as ckpt:
         ckpt.restore(fresh)
     result["frozen_by_rule"] = ["rule" in metadata(run, n) for n in names]
     listed = [json.loads((run / n / "manifest.json").read_bytes()) for n in names]
@@ -875,7 +875,7 @@ def manager_missing(out: Path) -> dict:
         result["seconds_to_raise"] = round(time.monotonic() - started, 2)
         result["generations"] = sorted(n for n in os.listdir(run) if n.startswith("gen-"))
     else:
-        time.sleep(float(os.environ.get("TRAINSTATE_SAVE_JOIN_TIMEOUT_S", "2")) + 6)
+        time.sleep(float(os.environ.get("TRAINSTATE_SAVE_JOIN_TIMEOUT_S", "2")) + 4)
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     os._exit(3)
 

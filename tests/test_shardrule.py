@@ -4,7 +4,8 @@ Pure checks (no process group): the rule's chunk at every coordinate equals DTen
 (``_compute_local_shape_and_global_offset``) over meshes of one and two dimensions, even and uneven splits,
 nested shards; the pieces a box needs (``overlapping``) equal a brute-force filter of every piece; a damaged rule
 is refused. Then real ``torchrun`` launches: FSDP2 and DDP saved by rule at 3 gloo ranks (uneven rows, an empty
-chunk), restored there, and at 2 ranks and 1 (resharding) bitwise; the incremental default still lists.
+chunk), restored there, and at 2 ranks and 1 (resharding) bitwise; the incremental default by rule while each
+rank's shard is one file, listed once a frozen block is laid out in a part.
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rule")
     whole = {"TRAINSTATE_TEST_FULL_EVERY": "none"}
     three = launch(root / "three", ["roundtrip_save_fsdp", "roundtrip_save_ddp"], ranks=3, env=whole)
-    two = launch(root / "two", ["roundtrip_load_fsdp", "roundtrip_load_ddp", "roundtrip_save_fsdp"], ranks=2,
-                 env={**whole, "TRAINSTATE_TEST_SOURCE": str(root / "three")})
+    two = launch(root / "two", ["roundtrip_load_fsdp", "roundtrip_load_ddp", "roundtrip_save_fsdp", "rule_incremental"],
+                 ranks=2, env={**whole, "TRAINSTATE_TEST_SOURCE": str(root / "three")})
     one = launch(root / "one", ["roundtrip_load_fsdp"], ranks=1,
                  env={**whole, "TRAINSTATE_TEST_SOURCE": str(root / "three")})
     return {"three": three, "two": two, "one": one}
@@ -149,27 +150,22 @@ def test_saved_by_rule_reshards_bitwise(runs, mode, ranks):
         assert result["differs"] == [], result
 
 
-@pytest.fixture(scope="module")
-def incremental(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("rule-incremental"), ["rule_incremental"], ranks=2)
-
-
 @pytest.mark.slow
-def test_incremental_saves_go_by_rule_while_each_shard_is_one_file(incremental):
+def test_incremental_saves_go_by_rule_while_each_shard_is_one_file(runs):
     """The default ``full_every``: a state whose every tensor changes is saved by rule at every save, its
     manifest without fingerprints (O(N), not O(items x N)), a restarted manager's first save too; bitwise."""
-    for result in incremental.ok("rule_incremental", 2):
+    for result in runs["two"].ok("rule_incremental", 2):
         assert result["changing_by_rule"] == [True] * 4, result
         assert result["changing_prints"] == [False] * 4, result
         assert result["changing_differs"] == [], result
 
 
 @pytest.mark.slow
-def test_a_shard_with_parts_is_listed_and_rank0_keeps_its_own_fingerprints(incremental):
+def test_a_shard_with_parts_is_listed_and_rank0_keeps_its_own_fingerprints(runs):
     """Control: a frozen block laid out in a part (second save) and linked (third) names files no rule says:
     listed. Rank 0 lays its block out in a part like every rank, so it kept its own fingerprints from a
     generation by rule, whose manifest has none."""
-    for result in incremental.ok("rule_incremental", 2):
+    for result in runs["two"].ok("rule_incremental", 2):
         assert result["frozen_by_rule"] == [True, False, False], result
         assert result["rank_parts"] == [[], [0, 1], [0, 1]], result
         assert result["frozen_shares"][0] == 0 and result["frozen_shares"][2] >= 2, result
