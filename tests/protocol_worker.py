@@ -4,7 +4,7 @@ Each scenario trains an FSDP2 model a few updates, saves once to warm up, then c
 what follows it on the writer thread: replicas, an upload) and one restore into fresh objects with
 :class:`collective_count.Tally`, and writes the counts. The test launches it at 2 and at 4 ranks and compares.
 
-- ``plain``: one directory every rank shares;
+- ``plain``: one directory every rank shares (the default ``full_every``: by rule too, each shard being one file);
 - ``by_rule``: the same without ``full_every``: DCP's metadata written by rule;
 - ``objects``: an ``s3://`` URL (``$TRAINSTATE_TEST_S3``) on a loopback server;
 - ``tiered``: node-local tiers, each rank a node of its own (``node=rank``) with its own directory, two replicas
