@@ -183,21 +183,13 @@ def _frozen_base(seed: int = 0) -> ts.TrainState:
                          rngs={"noise": torch.Generator().manual_seed(seed + 17 + dist.get_rank())})
 
 
-def _frozen_steps(state: ts.TrainState, n: int) -> None:
-    for _ in range(n):
-        x = torch.randn(4, 1024, generator=state.rngs["noise"])
-        state["model"](x).square().mean().backward()
-        state["optimizer"].step()
-        state["optimizer"].zero_grad()
-        state.next_update += 1
-
-
 @scenario
 def rule_incremental(out: Path) -> dict:
-    """Incremental saves (``full_every=8``, the default, whatever $TRAINSTATE_TEST_FULL_EVERY says) by rule while every rank's shard is one file; listed once a
-    frozen block is laid out in a part (control). Rank 0 keeps its own fingerprints, as every rank does, though a
-    generation by rule records none (its second save lays the frozen block out in a part, like the others'), and
-    a restarted manager's first save, which has none, writes its shard whole, by rule. Each restore bitwise."""
+    """Incremental saves (``full_every=8``, the default, whatever $TRAINSTATE_TEST_FULL_EVERY says) by rule while
+    every rank's shard is one file; listed once a frozen block is laid out in a part (control). Rank 0 keeps its
+    own fingerprints, as every rank does, though a generation by rule records none (its second save lays the
+    frozen block out in a part, like the others'), and a restarted manager's first save, which has none, writes
+    its shard whole, by rule. Each restore bitwise."""
     result: dict = {}
 
     def metadata(run: Path, name: str) -> dict:
@@ -225,7 +217,7 @@ def rule_incremental(out: Path) -> dict:
     names = []
     with manager(run, keep_last=10, full_every=8) as ckpt:
         for _ in range(3):
-            _frozen_steps(frozen, 1)
+            _sized_steps(frozen, 1, inputs=(4, 1024))
             names.append(ckpt.save(frozen).name)
     reference = full_state_of(frozen)
     fresh = _frozen_base(seed=9)
@@ -978,9 +970,9 @@ def _sized(mode: str, seed: int = 0) -> ts.TrainState:
                          rngs={"noise": torch.Generator().manual_seed(seed + dist.get_rank())})
 
 
-def _sized_steps(state: ts.TrainState, n: int) -> None:
+def _sized_steps(state: ts.TrainState, n: int, inputs: tuple[int, int] = (8, 64)) -> None:
     for _ in range(n):
-        x = torch.randn(8, 64, generator=state.rngs["noise"])
+        x = torch.randn(*inputs, generator=state.rngs["noise"])
         state["model"](x).square().mean().backward()
         state["optimizer"].step()
         state["optimizer"].zero_grad()
