@@ -1,10 +1,12 @@
 """A save never passes damage on (issue 48, items 3 and 6): a part is linked or copied only from bytes proven intact.
 
 A frozen ``Linear(512, 640)`` base (its 1.3 MB weight laid out in a part file
-by the second save, linked from the third on) and a trainable head: the
-issue's LoRA-like state. One bit of the newest generation's part is flipped,
-the head changes, and the next save must still publish the state it had in
-memory: a fresh restore resumes it bitwise.
+by the first save, on a local disk with a spare copy, the two linked
+crosswise from the second save on; on an object store copied on the server)
+and a trainable head: the issue's LoRA-like state. One bit is flipped in the
+copy the next save takes as its part (the newest's spare on a local disk, its
+part on an object store), the head changes, and the next save must still
+publish the state it had in memory: a fresh restore resumes it bitwise.
 
 - On an object store the part is a server-side copy: the copy is proven to
   hold the recorded bytes (read back against the chunk digests, unless its
@@ -59,7 +61,7 @@ def _step(state: ts.TrainState) -> dict[str, torch.Tensor]:
 
 
 def _three_saves(ckpt: ts.CheckpointManager, state: ts.TrainState, after=lambda: None) -> None:
-    """The first writes one file, the second lays the base out in a part, the third links that part."""
+    """The first lays the base out in a part (and its spare, on a local disk); the second and third link it."""
     for _ in range(3):
         _step(state)
         ckpt.save(state)
@@ -110,9 +112,9 @@ def test_an_object_store_never_copies_a_damaged_part(moto_server, monkeypatch, c
     the head changed, a save at update 4. The copy is read back against its digests, found damaged and
     uploaded afresh from the live tensors: a fresh restore resumes gen-4 bitwise. The cost, counted on the
     wire: a copy is read back once per object this process has not proven (the first link of a process, a
-    replaced object), and a steady save reads no part bytes at all. Control: a copy taken as intact without
-    a read (the old ``intact``); every generation from gen-3 on is then rejected and the restore resumes gen-2,
-    though each save's state was whole in memory."""
+    replaced object, one uploaded afresh), and a steady save reads no part bytes at all. Control: a copy taken
+    as intact without a read (the old ``intact``); every generation from gen-3 on is then rejected and the
+    restore resumes gen-2, though each save's state was whole in memory."""
     pytest.importorskip("obstore")
     if control:
         _trust_every_copy(monkeypatch)
@@ -147,7 +149,7 @@ def test_an_object_store_never_copies_a_damaged_part(moto_server, monkeypatch, c
         return
     assert (name, rejected) == ("gen-000000000006", []) and _equal(values, saved[name])
     assert "not linking" in caplog.text and "does not hold what was recorded" in caplog.text
-    assert read == [0, 0, part_size, part_size, part_size, 0], read
+    assert read == [0, part_size, 0, part_size, part_size, 0], read
     fresh = _state(seed=9)
     with ts.CheckpointManager(url, storage_options=moto_server.storage_options()) as ckpt:
         assert ckpt.restore(fresh, generation=fourth).generation.name == fourth
@@ -303,28 +305,29 @@ def _rot(part: Path) -> None:
 
 @pytest.mark.parametrize("control", [False, True], ids=["proven-by-bytes", "control-trusted"])
 def test_bit_rot_under_an_unchanged_size_and_mtime_is_not_linked(tmp_path, monkeypatch, caplog, control):
-    """Three saves in one process (the third links the part, so the process has checked it once); then one bit of
-    the newest part flips in place with its size and modification time unchanged, as bit rot leaves a file.
-    The next save proves the part by its bytes, writes it afresh, and a fresh restore resumes it bitwise.
-    Control: the part trusted without reading it (as a memo of size and mtime did): the save links the damaged
-    part, and the restore falls back past every generation naming it."""
+    """Three saves in one process (the second and third link the copies, so the process has checked each once);
+    then one bit of the newest's spare (the next save's part) flips in place with its size and modification
+    time unchanged, as bit rot leaves a file. The next save proves the copy by its bytes, writes the part
+    afresh, and a fresh restore resumes it bitwise. Control: the copy trusted without reading it (as a memo of
+    size and mtime did): the save links the damaged copy as its part, and the restore falls back past it."""
     if control:
         monkeypatch.setattr(incremental, "intact", lambda *args, **kwargs: True)
     run = tmp_path / "run"
     state = _state()
     with ts.CheckpointManager(run, keep_last=10) as ckpt:
         _three_saves(ckpt, state)
-        part = next((run / ckpt.latest()).glob("part-*"))
+        part = next((run / ckpt.latest()).glob("part-*.spare"))
         _rot(part)
         values = _step(state)
         with caplog.at_level("WARNING", logger="trainstate"):
             info = ckpt.save(state)
     name, restored, rejected = _restored(run)
+    twin = part.name.replace(".spare", ".safetensors")
     if control:
-        assert os.stat(run / info.name / part.name).st_ino == part.stat().st_ino  # the damaged part, linked
-        assert (name, rejected) == ("gen-000000000001", [f"gen-{u:012d}" for u in (4, 3, 2)])  # one inode
+        assert os.stat(run / info.name / twin).st_ino == part.stat().st_ino  # the damaged copy, linked
+        assert (name, rejected) == ("gen-000000000003", ["gen-000000000004"])  # the other copy
         return
-    assert "not linking" in caplog.text and os.stat(run / info.name / part.name).st_ino != part.stat().st_ino
+    assert "not linking" in caplog.text and os.stat(run / info.name / twin).st_ino != part.stat().st_ino
     assert (name, rejected) == (info.name, []) and _equal(restored, values)
 
 

@@ -237,7 +237,7 @@ def test_the_preflight_counts_what_a_save_writes_not_what_it_links(tiny_fs, monk
         err = caught.value
         assert isinstance(err, OSError) and err.errno == errno.ENOSPC
         assert err.available == _free(run) < err.needed < 200 * KIB < part  # the part is linked, not counted
-        assert f"about {err.needed:,} bytes needed (what the save writes plus headroom; the {part:,} bytes of " \
+        assert f"about {err.needed:,} bytes needed (what the save writes plus headroom; the {2 * part:,} bytes of " \
             "unchanged files it links take none)" in str(err) and f"{err.available:,} available" in str(err)
         assert ckpt.latest() == info.name and _gens(run)[-1] == info.name and _hidden(run) == []
         filler.unlink()

@@ -196,8 +196,9 @@ class Run:
         if name is None or name not in names:
             return
         path = self.root / name
-        if how == "flip-part":  # a file later generations may name too: every one naming it is damaged
-            part = next(iter(sorted(path.glob("part-*.safetensors"))), None)
+        if how == "flip-part":  # a copy later generations may read too: every one reading it is damaged
+            spare = next(iter(sorted(path.glob("part-*.spare"))), None)  # the copy the next save reads, if any
+            part = spare or next(iter(sorted(path.glob("part-*.safetensors"))), None)
             if part is None:
                 return
             inode = part.stat().st_ino
@@ -207,8 +208,9 @@ class Run:
                 byte = f.read(1)
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([byte[0] ^ 0x5A]))
+            read = part.name.replace(".spare", ".safetensors")  # a spare is not read: its generation stays whole
             for other in library_generations(self.root):
-                if (self.root / other / part.name).exists() and (self.root / other / part.name).stat().st_ino == inode:
+                if (self.root / other / read).exists() and (self.root / other / read).stat().st_ino == inode:
                     self.damage.setdefault(other, set()).add("flip")
             return
         if how == "manifest":

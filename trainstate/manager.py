@@ -87,8 +87,8 @@ class CheckpointManager:
     copy when the local directory is empty or behind. ``progress=True`` shows a byte bar on stderr (tqdm) while a
     save writes and a restore loads (``None``: only when stderr is a terminal; off by default). ``replicas=N``
     (multi-node): a node-local ``directory``, each node's files also on ``N - 1`` peers by ``failure_domain`` label
-    (docs/concepts/tiers.md). ``full_every=N`` (default 8): incremental generations, unchanged tensor files linked
-    rather than rewritten, every N-th whole; ``None`` writes every generation whole (docs/guides/incremental.md)."""
+    (docs/concepts/tiers.md). Incremental by default: unchanged tensor files linked, each in two copies linked
+    crosswise; ``full_every=N``: also every N-th whole; ``None``: every one whole (docs/guides/incremental.md)."""
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = None, retention: Retention | None = None,
                  digest: str | None = None, verify: str = "fast",

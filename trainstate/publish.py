@@ -72,6 +72,7 @@ class Pending:
         self.unless_same: Verified | None = None  # a generation whose bytes, if the staged ones match, make
         # this save a no-op (decided before the commit; see trainstate.revisions)
         self.fingerprints: dict | None = None  # each tensor's, once taken (incremental saves)
+        self.frozen: frozenset[str] = frozenset()  # tensors of parameters not requiring gradients (a layout guide)
 
     def changed_bytes(self, manifest: Manifest, store: Store | None = None) -> list[str] | None:
         """Whether the tensor file this would write differs from ``manifest``'s, by digest: ``["tensor bytes"]``
@@ -99,7 +100,7 @@ class Pending:
 
     def estimate(self, plan: incremental.Plan) -> int:
         """The bytes an incremental save writes, as the preflight estimates them: the tensors of the files it
-        does not link (a hard link takes no data blocks), their headers, and the state JSON."""
+        does not link (a hard link takes no data blocks), spares included, their headers, the state JSON."""
         return incremental.written_bytes(plan, self.tensors) + len(snapshot.state_json(self.skeleton))
 
 
@@ -142,7 +143,7 @@ def prepare(state: TrainState, retention: Retention, *, weights_only: bool, incl
         "data": positions, "metrics": recorded, "retention": retention.record(),
         "lineage": [list(e) for e in state.lineage] if kind == "full" else []})
     if kind == "full":
-        state.parent = name
+        state.parent, pending.frozen = name, snapshot.frozen(state, tensors)
     return pending
 
 
@@ -166,9 +167,9 @@ class Publisher:
         self.renamed: dict[str, str] = {}  # prepared name -> the generation it was published as, or found in
         self.after_publish: Callable[[str], None] | None = None  # told each published name (a mirror's uploader)
         self.progress: bool | None = False  # a byte bar on stderr while the tensors are written (None: on a tty)
-        self.full_every: int | None = None  # incremental generations, one self-contained in every N (or None)
+        self.full_every: int | None = None  # incremental generations (see incremental.check_full_every), or None
         self.known: dict[str, tuple[Manifest, int]] = {}  # the last generation staged here, for the next save
-        self.incremental_saves = 0  # incremental saves planned here: every full_every-th probes (incremental.take)
+        self.incremental_saves = 0  # incremental saves planned here: some probe (incremental.probing)
         self.fresh = False  # the next incremental save links nothing: the last one's verification failed
         self.clean_due = True  # an object store's leftovers: looked for at the first save, and after a failed one
 
@@ -429,14 +430,13 @@ class Publisher:
 
     # 5. stage, write, commit ------------------------------------------------------
     def plan_increment(self, p: Pending) -> incremental.Plan | None:
-        """What an incremental save links and writes (``None``: the save writes one tensor file), every file it
-        links proven intact (:func:`.incremental.prove`): decided before the preflight, which counts only what
-        is written."""
+        """What an incremental save links and writes (``None``: one tensor file), proven (:func:`.incremental.prove`)
+        before the preflight, which counts only what is written."""
         if self.full_every is None or p.kind != "full":
             return None
         plan = incremental.plan(self.store, self.key, p.tensors, p.parent, self.full_every, p.fingerprints,
                                 self.known, probe=incremental.probing(self.incremental_saves, self.full_every),
-                                fresh=self.fresh)
+                                fresh=self.fresh, frozen=p.frozen)
         self.incremental_saves += 1
         return incremental.prove(self.store, plan)
 
@@ -470,7 +470,7 @@ class Publisher:
             manifest_bytes = manifest.to_bytes(self.key)
             staging.write(MANIFEST, [manifest_bytes])
             staging.commit()
-            if extra and plan is not None:  # the next save's parent, most likely: fingerprints, depth, no read
+            if extra and plan is not None:  # the next save's parent, most likely: no read
                 self.known = {p.name: (manifest, plan.depth + 1 if manifest.shares else 0)}
         except BaseException:
             staging.abort()

@@ -16,8 +16,8 @@ import logging
 from typing import Any
 
 from .errors import CorruptGeneration, GenerationExists
-from .format.manifest import (FORMAT_VERSION, INCREMENTAL_VERSION, MANIFEST, MAX_REVISION, STATE, FileRecord, Manifest,
-                              generation_name, generation_order, parse_generation_name)
+from .format.manifest import (FORMAT_VERSION, INCREMENTAL_VERSION, MANIFEST, MAX_REVISION, SPARE_VERSION, STATE,
+                              FileRecord, Manifest, generation_name, generation_order, parse_generation_name)
 from .records import GenerationInfo
 from .state import snapshot
 from .storage.verify import Verified, verify_generation
@@ -77,7 +77,7 @@ def full_at_update(pub: Any, p: Any) -> GenerationInfo | str | None:
     base = p.parent if p.parent in ours else committed if committed in ours else None
     if base is not None:
         verified = ours[base]
-        if verified.manifest.format_version in (FORMAT_VERSION, INCREMENTAL_VERSION):
+        if verified.manifest.format_version in (FORMAT_VERSION, INCREMENTAL_VERSION, SPARE_VERSION):
             changed = _changes(pub, p, verified) or p.changed_bytes(verified.manifest, pub.store)
             if changed is None:  # decided by the staged files' digests, just before the commit
                 p.unless_same = verified

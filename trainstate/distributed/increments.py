@@ -19,8 +19,10 @@ written: they cost nothing.
 
 Whether a generation may link at all is decided from the parent's manifest,
 so every rank decides alike: the generation after ``full_every - 1`` in a
-row that linked files links nothing, which leaves a self-contained
-generation to fall back to when a shared file is damaged. Each rank keeps
+row that linked files links nothing (``full_every=0``, the default: every
+8th), which leaves a self-contained generation to fall back to when a shared
+file is damaged. A shard's parts are kept in one copy: the spares a single
+process keeps (:mod:`trainstate.format.sharing`) are not laid out per rank. Each rank keeps
 its view of the last generation it published (its own files, their
 fingerprints and shares, and rank 0's word on whether any rank linked: the
 manifest itself, O(N), never crosses ranks), so a steady save reads nothing
@@ -71,7 +73,7 @@ class RankIncrements:
     """One rank's incremental saves: the parent's manifest and depth, kept from the last commit."""
 
     def __init__(self, full_every: int):
-        self.full_every = full_every
+        self.full_every = full_every or incremental.SHARDS_FULL_EVERY  # (a shard's parts have no spares yet)
         self.known: dict[str, tuple[Manifest, int]] = {}
         self.saves = 0  # plans begun: every full_every-th probes (incremental.take)
 

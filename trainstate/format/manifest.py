@@ -16,12 +16,10 @@ hold generations of both, while a reader that predates a version refuses it
 rather than misreading ``{"$odict": ...}`` as a dict. 3 added the
 ``blake3-chunked`` digest (see :mod:`trainstate.format.digest`): each file
 record then lists its chunk digests, which must combine into its digest.
-4 added incremental generations: ``fingerprints`` (per tensor file, each
-tensor's dtype, shape and XXH3-128, see :mod:`trainstate.state.changes`) and
-``shares`` (the files that are the very files of an earlier generation,
-linked rather than written, by the generation they came from). A
-generation of format 4 is still self-describing: it lists every file it
-needs, each present in its own directory, with its own digests.
+4 added incremental generations (``fingerprints`` and ``shares``), 5 their
+spare copies (see :mod:`trainstate.format.sharing`). An incremental
+generation is still self-describing: it lists every file it needs, each
+present in its own directory, with its own digests.
 """
 
 from __future__ import annotations
@@ -34,12 +32,15 @@ from dataclasses import asdict, dataclass, field, fields
 
 from .digest import ALGORITHMS, CRYPTOGRAPHIC, chunk_count, chunk_hex_length, chunked_top, digest_bytes, is_chunked
 from ..errors import CorruptGeneration, InvalidArgument
+from . import sharing
+from .names import (MAX_REVISION, generation_name, generation_order, newest_first,  # noqa: F401 (re-exported)
+                    parse_generation_name)
+from .sharing import INCREMENTAL_VERSION, SPARE_VERSION
 from .signing import SigningKey
 from .strictjson import loads
 
 FORMAT_VERSION = 3
-INCREMENTAL_VERSION = 4  # written by a manager with ``full_every`` (fingerprints and shares)
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, INCREMENTAL_VERSION, SPARE_VERSION)
 MANIFEST = "manifest.json"
 STATE = "state.json"
 POINTER = "latest"
@@ -52,49 +53,9 @@ MAX_JSON_BYTES = 64 << 20
 MAX_DCP_METADATA_BYTES = 4 << 30
 KINDS = ("full", "weights")
 
-_GEN_RE = re.compile(r"gen-(\d{12})(-weights|-r(?!000)\d{3})?")  # -rNNN: a later save at the same update
 _FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX_RE = re.compile(r"[0-9a-f]{16,128}")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-MAX_REVISION = 999
-
-
-def generation_name(next_update: int, kind: str = "full", revision: int = 0) -> str:
-    """``gen-<12-digit update>``; ``-weights`` for weights-only, ``-r001``... for a full generation that
-    supersedes an earlier one at the same update (a later save whose state differs)."""
-    if not 0 <= next_update < 10**12:
-        raise InvalidArgument(f"next_update must be in [0, 10**12), got {next_update}")
-    if not 0 <= revision <= MAX_REVISION or (revision and kind != "full"):
-        raise InvalidArgument(f"revision must be in [0, {MAX_REVISION}] (full generations only), got {revision}")
-    return f"gen-{next_update:012d}" + ("-weights" if kind == "weights" else f"-r{revision:03d}" if revision else "")
-
-
-def parse_generation_name(name: str) -> tuple[int, str] | None:
-    """``(update, kind)`` for a generation directory name, else ``None``."""
-    match = _GEN_RE.fullmatch(name)
-    if match is None:
-        return None
-    return int(match[1]), "weights" if match[2] == "-weights" else "full"
-
-
-def generation_order(name: str) -> tuple[int, int]:
-    """``(update, revision)`` of a generation name: the order of saves (revision 0: the first at its update).
-
-    Call only on names :func:`parse_generation_name` accepts.
-    """
-    match = _GEN_RE.fullmatch(name)
-    if match is None:
-        raise InvalidArgument(f"{name!r} is not a generation name")
-    tail = match[2] or ""
-    return int(match[1]), int(tail[2:]) if tail.startswith("-r") else 0
-
-
-def newest_first(names: list[str]) -> list[str]:
-    """Generation names ordered by parsed update number (then revision), newest first; others dropped."""
-    parsed = [(p[0], p[1], generation_order(n)[1], n) for n in names if (p := parse_generation_name(n))]
-    return [n for *_, n in sorted(parsed, reverse=True)]
 
 
 @dataclass(frozen=True)
@@ -309,7 +270,7 @@ def parse_manifest(data: bytes, where: str, key: SigningKey | None = None) -> Ma
     if len({f.name for f in files}) != len(files) or STATE not in {f.name for f in files}:
         raise CorruptGeneration(where, f"file list must be unique and include {STATE}")
     _check_ranks(where, raw, {f.name for f in files})
-    _check_incremental(where, raw, {f.name for f in files})
+    sharing.check(where, raw, {f.name: f for f in files})
     del raw["format"], raw["self_digest"]
     raw.pop("signature", None)
     return Manifest(**{**raw, "files": tuple(files)})
@@ -339,29 +300,6 @@ def _check_ranks(where: str, raw: dict, files: set[str]) -> None:
     for listed in ranks:
         if type(listed) is not list or not all(type(f) is str and f in files for f in listed):
             raise CorruptGeneration(where, "a per-rank file list names files the manifest does not list")
-
-
-def _check_incremental(where: str, raw: dict, files: set[str]) -> None:
-    """Format 4: fingerprints of listed tensor files, each tensor in one file; shares of listed files, each
-    from an older generation."""
-    prints, shares = raw.get("fingerprints", {}), raw.get("shares", {})
-    if (prints or shares) and raw["format_version"] < INCREMENTAL_VERSION:
-        raise CorruptGeneration(where, f"fingerprints and shares need format_version {INCREMENTAL_VERSION}")
-    seen: set[str] = set()
-    for name, tensors in prints.items():
-        if name not in files or not name.endswith(".safetensors") or type(tensors) is not dict:
-            raise CorruptGeneration(where, f"fingerprints of {name!r:.60}, which is not a listed tensor file")
-        for tensor, value in tensors.items():
-            if tensor in seen or not (type(value) is list and len(value) == 3 and type(value[0]) is str
-                                      and type(value[1]) is list and all(type(n) is int and n >= 0 for n in value[1])
-                                      and type(value[2]) is str and re.fullmatch(r"[0-9a-f]{32}", value[2])):
-                raise CorruptGeneration(where, f"malformed fingerprint of tensor {tensor!r:.60} in {name!r:.60}")
-            seen.add(tensor)
-    own = parse_generation_name(raw["generation"])
-    for name, origin in shares.items():
-        theirs = parse_generation_name(origin) if type(origin) is str else None
-        if name not in files or name not in prints or theirs is None or own is None or theirs[0] > own[0]:
-            raise CorruptGeneration(where, f"share of {name!r:.60} from {origin!r:.60} is not an older tensor file")
 
 
 _DATA_FIELDS = {"epoch": int, "cursor": int, "batches_per_epoch": int, "samples_seen": int, "tokens_seen": int,

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from ..errors import CorruptGeneration, InvalidArgument
-from ..format import tensorfile
+from ..format import sharing, tensorfile
 from ..format.digest import digest_stream
-from ..format.manifest import INCREMENTAL_VERSION, FileRecord, Manifest, generation_order
+from ..format.manifest import FileRecord, Manifest, generation_order
 from ..format.signing import SigningKey
 from ..state import changes, parts
 from ..state.changes import Fingerprint
@@ -56,15 +56,18 @@ from ..storage.base import Staging, Store
 from ..storage.verify import read_manifest
 
 log = logging.getLogger("trainstate")
-DEFAULT_FULL_EVERY = 8  # incremental by default: each 8th generation along a timeline links nothing
+DEFAULT_FULL_EVERY = 0  # incremental by default, each part kept in two copies; no generation forced whole
+PROBE_EVERY = 8  # with full_every=0: every tensor fingerprinted at the first save of a process, then every 8th
+SHARDS_FULL_EVERY = 8  # a multi-rank shard's parts are kept in one copy: every 8th generation links nothing
 
 
 def check_full_every(full_every: int | None) -> int | None:
-    """``full_every``: ``None`` (every generation self-contained) or N >= 1 (incremental, every N-th whole)."""
+    """``full_every``: ``None`` (every generation self-contained), 0 (incremental, the default) or N >= 1
+    (incremental, and every N-th generation links nothing)."""
     if full_every is None:
         return None
-    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
-        raise InvalidArgument(f"full_every must be a whole number of saves >= 1, or None; got {full_every!r}")
+    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 0:
+        raise InvalidArgument(f"full_every must be a whole number of saves >= 0, or None; got {full_every!r}")
     return full_every
 
 
@@ -78,12 +81,15 @@ class Plan:
     depth: int  # generations in a row that link files, ending with the parent (0: the parent links none)
     shares: dict[str, str] = field(default_factory=dict)
     proven: bool = False  # every file ``layout.linked`` names was proven intact (:func:`prove`)
+    spares: bool = False  # each part kept in two copies (a spare beside it; see trainstate.format.sharing)
+    links: dict[str, str] = field(default_factory=dict)  # once proven: file -> the parent's file it links
 
 
 def origins(manifest: Manifest) -> set[tuple[str, str]]:
-    """Where the bytes of each of ``manifest``'s files were first written: (generation, file) pairs. Two
-    generations share bytes exactly when these sets meet."""
-    return {(manifest.shares.get(f.name, manifest.generation), f.name) for f in manifest.files}
+    """Where the bytes of each file ``manifest``'s restore reads were first written: (generation, file) pairs
+    (a spare is not read). Two generations need the same bytes exactly when these sets meet."""
+    return {sharing.origin(manifest.generation, manifest.shares, f.name) for f in manifest.files
+            if not sharing.is_spare(f.name)}
 
 
 def fallback(newest: str | None, manifests: Mapping[str, Manifest], lineage: Collection[str]) -> str | None:
@@ -145,14 +151,14 @@ def parent_of(store: Store, key: SigningKey | None, parent: str | None, full_eve
         manifest = None
     if manifest is not None and not manifest.fingerprints:
         manifest = None
-    return manifest, chain, manifest is not None and chain + 1 < full_every
+    return manifest, chain, manifest is not None and (full_every == 0 or chain + 1 < full_every)
 
 
 def probing(saves: int, full_every: int) -> bool:
     """Whether the ``saves``-th incremental save of a process (from 0) probes: the first, then every
-    ``full_every``-th. The first of a process has no fingerprints of its own to go by, and the save after it
-    lays out in parts what did not change between the two."""
-    return saves % full_every == 0
+    ``full_every``-th (``PROBE_EVERY``-th with 0). The first of a process has no fingerprints of its own to go
+    by, and the save after it lays out in parts what did not change between the two."""
+    return saves % (full_every or PROBE_EVERY) == 0
 
 
 def take(tensors: Mapping[str, torch.Tensor], previous: Mapping[str, Mapping[str, Fingerprint]] | None,
@@ -187,26 +193,31 @@ def recorded(now: Mapping[str, Fingerprint], previous: Mapping[str, Mapping[str,
 
 def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor], parent: str | None,
          full_every: int, now: dict[str, Fingerprint] | None = None,
-         known: dict[str, tuple[Manifest, int]] | None = None, probe: bool = True, fresh: bool = False) -> Plan:
+         known: dict[str, tuple[Manifest, int]] | None = None, probe: bool = True, fresh: bool = False,
+         frozen: Collection[str] = ()) -> Plan:
     """Read the parent's manifest (:func:`parent_of`), fingerprint ``tensors`` (:func:`take`; ``now``: every
-    tensor's, taken already) and lay the generation out (see :mod:`trainstate.state.parts`). ``fresh``: link
-    nothing (the save after one whose verification failed writes every file from the live tensors)."""
+    tensor's, taken already) and lay the generation out (see :mod:`trainstate.state.parts`), each part with a
+    spare where a link shares bytes (a local filesystem; an object store's copy is an object of its own).
+    ``fresh``: link nothing (the save after one whose verification failed writes every file from the live
+    tensors). ``frozen``: tensors of parameters that do not require gradients (the first layout's guide)."""
     manifest, chain, link = parent_of(store, key, parent, full_every, known)
-    return lay_out(tensors, manifest, link and not fresh, chain, probe, now)
+    return lay_out(tensors, manifest, link and not fresh, chain, probe, now, frozen=frozen,
+                   spares=not getattr(store, "remote", False))
 
 
 def lay_out(tensors: Mapping[str, torch.Tensor], manifest: Manifest | None, link: bool, depth: int, probe: bool,
-            now: dict[str, Fingerprint] | None = None, main: str = parts.TENSORS, prefix: str = "part-") -> Plan:
+            now: dict[str, Fingerprint] | None = None, main: str = parts.TENSORS, prefix: str = "part-",
+            frozen: Collection[str] = (), spares: bool = False) -> Plan:
     """The plan of a save whose parent's manifest is ``manifest``: its fingerprints (:func:`take`, unless ``now``
     holds every tensor's), the layout over the parent's files named ``main`` and ``prefix``* (a multi-rank
-    shard's own), and what the generation records (:func:`recorded`)."""
+    shard's own), and what the generation records (:func:`recorded`). ``spares``: each part in two copies."""
     previous = None
     if manifest is not None:
         previous = {f: p for f, p in fingerprints_of(manifest).items() if f == main or f.startswith(prefix)}
     now = now if now is not None else take(tensors, previous, probe)
     sizes = {n: t.nbytes for n, t in tensors.items()}
-    layout = parts.plan(now, sizes, previous, link=link, main=main, prefix=prefix)
-    return Plan(recorded(now, previous, sizes), layout, manifest if link else None, depth)
+    layout = parts.plan(now, sizes, previous, link=link, main=main, prefix=prefix, frozen=frozen)
+    return Plan(recorded(now, previous, sizes), layout, manifest if link else None, depth, spares=spares)
 
 
 def intact(store: Store, manifest: Manifest, file: str) -> bool:
@@ -246,7 +257,7 @@ def intact(store: Store, manifest: Manifest, file: str) -> bool:
 def _holds(stream: Any, fd: int, manifest: Manifest, record: FileRecord, where: str) -> bool:
     if not record.chunks:  # a whole-file digest (blake3, sha256): only the whole file can be checked
         return digest_stream(stream, manifest.digest_algorithm, record.size) == (record.size, record.digest)
-    recorded = manifest.fingerprints.get(record.name)
+    recorded = manifest.fingerprints.get(sharing.twin_of(record.name) if sharing.is_spare(record.name) else record.name)
     if recorded is None:  # a file of a generation without fingerprints (a mirror's holder): every chunk's digest
         chunked.holds(stream, record, where, manifest.digest_algorithm)
         return True
@@ -255,70 +266,105 @@ def _holds(stream: Any, fd: int, manifest: Manifest, record: FileRecord, where: 
 
 
 def prove(store: Store, p: Plan) -> Plan:
-    """``p`` with each parent file it would link proven intact (:func:`intact`); one that is not is written afresh
-    from the live tensors instead. Before the preflight, which counts the bytes the save writes."""
-    if p.proven or not p.layout.linked:
-        p.proven = True
+    """``p`` with what it links decided (:attr:`Plan.links`), each parent file that becomes one of its parts
+    proven intact (:func:`intact`); one that is not is written afresh from the live tensors instead. Before
+    the preflight, which counts the bytes the save writes.
+
+    With spares, each part the parent holds unchanged is linked crosswise: the parent's spare becomes the part
+    (proven here) and the parent's part the spare (proven when it next becomes a part), so this generation
+    and its parent need no copy in common. A part whose spare is missing or damaged is written afresh, the
+    parent's part kept as its spare."""
+    if p.proven:
         return p
-    assert p.parent is not None
-    whole = [file for file in p.layout.linked if intact(store, p.parent, file)]
-    written = {**p.layout.written, **{file: tuple(p.parent.fingerprints[file]) for file in p.layout.linked
-                                      if file not in whole}}
-    p.layout, p.proven = parts.Layout(tuple(whole), written), True
+    p.proven = True
+    if not p.layout.linked:
+        return p
+    parent = p.parent
+    assert parent is not None
+    held = {f.name for f in parent.files}
+    links: dict[str, str] = {}
+    written = dict(p.layout.written)
+    for file in p.layout.linked:
+        spare = sharing.spare_of(file)
+        if not p.spares:
+            if intact(store, parent, file):
+                links[file] = file
+            else:
+                written[file] = tuple(parent.fingerprints[file])
+        elif spare in held and intact(store, parent, spare):
+            links[file], links[spare] = spare, file
+        else:
+            written[file], links[spare] = tuple(parent.fingerprints[file]), file
+    p.layout = parts.Layout(tuple(f for f in links if not sharing.is_spare(f)), written)
+    p.links = links
     return p
 
 
-def written_bytes(p: Plan, tensors: Mapping[str, torch.Tensor]) -> int:
-    """The tensor bytes the files ``p`` writes hold (a linked file writes none: a hard link or a server-side
-    copy), with a header allowance per tensor as :attr:`trainstate.publish.Pending.estimated_bytes` counts."""
-    names = [n for names in p.layout.written.values() for n in names]
-    return sum(tensors[n].nbytes + 128 for n in names)
+def spared(p: Plan, written: Collection[str], main: str) -> list[str]:
+    """Of the parts ``written``, those whose spare is written too (not linked from the parent)."""
+    return [f for f in written if p.spares and f != main and sharing.spare_of(f) not in p.links]
+
+
+def written_bytes(p: Plan, tensors: Mapping[str, torch.Tensor], main: str = parts.TENSORS) -> int:
+    """The tensor bytes the files ``p`` writes hold, spares included (a linked file writes none: a hard link or
+    a server-side copy), with a header allowance per tensor as :attr:`trainstate.publish.Pending.estimated_bytes`
+    counts."""
+    files = [*p.layout.written, *spared(p, p.layout.written, main)]
+    return sum(tensors[n].nbytes + 128 for file in files for n in p.layout.written[file])
 
 
 def linked_bytes(p: Plan) -> int:
     """The bytes of the parent files ``p`` links."""
-    return sum(p.parent.file(file).size for file in p.layout.linked) if p.parent is not None else 0
+    return sum(p.parent.file(source).size for source in p.links.values()) if p.parent is not None else 0
 
 
 def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: Any, stable: bool,
-          store: Store, write_empty: bool = True,
-          total: Callable[[int], Any] | None = None) -> tuple[list[FileRecord], dict[str, Any]]:
-    """Link and write the tensor files of ``p`` into ``staging``; their records and the manifest's format-4
-    fields. A parent file is linked only once proven intact (:func:`prove`, here unless done already); one the
-    backend cannot link is written after all. ``write_empty=False``: a file left with no tensor is not written
-    (a multi-rank shard whose items are all linked). ``total``: told the bytes to be written, once the links are
-    made."""
+          store: Store, write_empty: bool = True, total: Callable[[int], Any] | None = None,
+          main: str = parts.TENSORS) -> tuple[list[FileRecord], dict[str, Any]]:
+    """Link and write the tensor files of ``p`` into ``staging``, each part's spare beside it (linked or
+    written); their records and the manifest's format-4/5 fields. A parent file is linked only once proven
+    intact (:func:`prove`, here unless done already); one the backend cannot link is written after all.
+    ``write_empty=False``: a file left with no tensor is not written (a multi-rank shard whose items are all
+    linked). ``total``: told the bytes to be written, once the links are made."""
     prove(store, p)
     records: list[FileRecord] = []
     written = dict(p.layout.written)
-    for file in p.layout.linked:
+    for file, source in p.links.items():
         assert p.parent is not None
-        linked = staging.link(file, p.parent.generation, p.parent.file(file))
-        if linked is None:
-            written[file] = tuple(p.parent.fingerprints[file])
+        linked = staging.link(file, p.parent.generation, p.parent.file(source))
+        if linked is None:  # written after all: a part from the live tensors, a spare beside its part
+            if not sharing.is_spare(file):
+                written[file] = tuple(p.parent.fingerprints[file])
             continue
         records.append(linked)
-        p.shares[file] = p.parent.shares.get(file, p.parent.generation)  # where its bytes were first written
+        p.shares[file] = sharing.share_value(sharing.origin(p.parent.generation, p.parent.shares, source), file)
     written = {file: names for file, names in written.items() if names or write_empty}
     chosen = {file: {n: tensors[n] for n in names} for file, names in written.items()}
     layouts = {file: tensorfile.plan(chosen[file]) for file in written}
+    twice = [f for f in written if p.spares and f != main and sharing.spare_of(f) not in p.shares]
     if total is not None:
-        total(sum(layout.size for layout in layouts.values()))
+        total(sum(layouts[f].size for f in [*written, *twice]))
     for file, layout in layouts.items():
         records.append(staging.write(file, counted(tensorfile.chunks(layout, chosen[file])), stable=stable,
                                      size_hint=layout.size))
+        if file in twice:  # the same bytes again, a copy of their own (another inode, another object)
+            records.append(staging.write(sharing.spare_of(file), counted(tensorfile.chunks(layout, chosen[file])),
+                                         stable=stable, size_hint=layout.size))
     files = {file: names for file, names in written.items()}
-    files.update({file: tuple(p.parent.fingerprints[file]) for file in p.shares} if p.parent else {})
+    files.update({file: tuple(p.parent.fingerprints[file]) for file in p.shares if not sharing.is_spare(file)}
+                 if p.parent else {})
     prints = {file: {n: p.now[n].to_json() for n in names if n in p.now} for file, names in files.items()}
-    return records, manifest_fields(prints, p.shares)
+    return records, manifest_fields(prints, p.shares, [r.name for r in records])
 
 
-def manifest_fields(prints: dict[str, dict], shares: dict[str, str]) -> dict[str, Any]:
-    """The format-4 fields of a manifest whose tensor files hold tensors with fingerprints ``prints`` (file ->
-    tensor -> fingerprint) and link ``shares`` (file -> the generation that wrote it); none without ``prints``."""
-    if not prints:
+def manifest_fields(prints: dict[str, dict], shares: dict[str, str], files: Collection[str] = ()) -> dict[str, Any]:
+    """The format-4/5 fields of a manifest whose tensor files hold tensors with fingerprints ``prints`` (file ->
+    tensor -> fingerprint), link ``shares`` (file -> where it was first written) and list ``files`` (a spare
+    among them needs format 5); none without ``prints``."""
+    fmt = sharing.version(prints, shares, files)
+    if fmt is None:
         return {}
-    return {"fingerprints": prints, "shares": dict(shares), "format_version": INCREMENTAL_VERSION}
+    return {"fingerprints": prints, "shares": dict(shares), "format_version": fmt}
 
 
 def unchanged(tensors_now: dict[str, Fingerprint], manifest: Manifest, store: Store | None = None) -> bool:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CorruptGeneration, ExistingRun, Rejection, TrainStateError
+from ..format import sharing
 from ..format.manifest import (MANIFEST, POINTER, RUN, FileRecord, Manifest, generation_order,
                                parse_generation_name, parse_run)
 from ..format.signing import SigningKey
@@ -104,7 +105,7 @@ def link_held(dst: Store, staging: Any, manifest: Manifest, record: FileRecord, 
     (:func:`.incremental.intact`), an object store's server-side copy by the store
     (:meth:`trainstate.storage.objects.ObjectStaging.link`). Damage in the destination's copy is never copied
     into another generation: the caller sends the file from the source's verified bytes instead."""
-    holders = (manifest.parent, manifest.shares[record.name], also)
+    holders = (manifest.parent, sharing.origin(manifest.generation, manifest.shares, record.name)[0], also)
     for holder in dict.fromkeys(g for g in holders if g is not None):
         try:
             theirs = read_manifest(dst, holder, None, key)[0]

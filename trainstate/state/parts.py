@@ -23,7 +23,7 @@ self-contained links nothing, but lays its parts out the same way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import xxhash
@@ -51,7 +51,7 @@ def _part_name(names: list[str], now: Mapping[str, Fingerprint], prefix: str) ->
 def plan(now: Mapping[str, Fingerprint], sizes: Mapping[str, int],
          parent: Mapping[str, Mapping[str, Fingerprint]] | None, *, link: bool,
          part_bytes: int | None = None, small_bytes: int | None = None, main: str = TENSORS,
-         prefix: str = "part-") -> Layout:
+         prefix: str = "part-", frozen: Collection[str] = ()) -> Layout:
     """The layout of a generation whose tensors have fingerprints ``now`` (and byte sizes ``sizes``).
 
     ``now`` may lack tensors a save did not fingerprint (see :func:`trainstate.lifecycle.incremental.take`):
@@ -59,17 +59,20 @@ def plan(now: Mapping[str, Fingerprint], sizes: Mapping[str, int],
     unknown: no parent, or one of an older format; then everything goes to ``tensors.safetensors``). ``link``: whether this
     generation may link the parent's files (False for a self-contained one). ``main`` and ``prefix``: the
     names of the file of what changes and of the parts (a multi-rank shard: ``shard-<rank>.safetensors`` and
-    ``shard-<rank>-part-``).
+    ``shard-<rank>-part-``). ``frozen``: the tensors of parameters that do not require gradients, laid out
+    in parts when there is no ``parent`` to compare with (a guide only: each part is linked later only if
+    every fingerprint in it is the same then).
     """
-    if not parent:
-        return Layout((), {main: tuple(sorted(sizes))})
     part_bytes = PART_BYTES if part_bytes is None else part_bytes
     small_bytes = SMALL_BYTES if small_bytes is None else small_bytes
+    if not parent:
+        parent, link, before = {}, False, {n: now[n] for n in frozen if n in now and n in sizes}
+    else:
+        before = {n: fp for prints in parent.values() for n, fp in prints.items()}
     linked = tuple(sorted(
         file for file, prints in parent.items()
         if link and file != main and prints and all(now.get(n) == fp for n, fp in prints.items())))
     covered = {n for file in linked for n in parent[file]}
-    before = {n: fp for prints in parent.values() for n, fp in prints.items()}
     steady = sorted(n for n in sizes if n not in covered and n in now and before.get(n) == now[n]
                     and sizes[n] >= small_bytes)
     parts: list[list[str]] = []

@@ -358,3 +358,15 @@ def _restore_grads(state: TrainState, payload: dict[str, Any]) -> None:
             param.grad = None if grad is None else grad.to(param.device)
     if grads:
         state._grads.mark_pending()
+
+
+def frozen(state: TrainState, tensors: dict[str, torch.Tensor]) -> frozenset[str]:
+    """The names among ``tensors`` (a capture's) that are parameters not requiring gradients: a frozen base's.
+    A guide for the first layout of an incremental generation, never proof that their bytes stay the same."""
+    def place(t: torch.Tensor) -> tuple | None:
+        if t.layout != torch.strided or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return None
+        return t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())
+
+    still = {place(p) for m in state.modules().values() for p in m.parameters() if not p.requires_grad} - {None}
+    return frozenset(n for n, t in tensors.items() if place(t) in still) if still else frozenset()

@@ -21,6 +21,7 @@ pages, so the staging area is abandoned and the error raised.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
@@ -119,11 +120,11 @@ class LocalStaging:
         return FileRecord(file, size, digest, tuple(getattr(hasher, "chunks", ())))
 
     def link(self, file: str, generation: str, record: FileRecord) -> FileRecord | None:
-        """Stage ``file`` as a hard link to the same file of committed ``generation``, whose manifest recorded
-        it as ``record``: no byte is written, and the bytes are stored once for both. ``None`` where it cannot
-        (the file is gone, is not a regular file of the recorded size, or the filesystem has no hard links):
-        the caller writes the file instead."""
-        source = self._store.root / generation / file
+        """Stage ``file`` as a hard link to the file of committed ``generation`` whose manifest recorded it as
+        ``record`` (``record.name``: the same name, or a spare's twin): no byte is written, and the bytes are
+        stored once for both. ``None`` where it cannot (the file is gone, is not a regular file of the recorded
+        size, or the filesystem has no hard links): the caller writes the file instead."""
+        source = self._store.root / generation / record.name
         try:
             st = os.lstat(source)
             if not stat.S_ISREG(st.st_mode) or st.st_size != record.size:
@@ -131,7 +132,7 @@ class LocalStaging:
             self._ops.link(source, self.path / file)
         except OSError:
             return None
-        return record
+        return dataclasses.replace(record, name=file)
 
     def _write_then_hash_during_sync(self, fd: int, views: Iterable[memoryview], hasher: Hasher) -> int:
         """Write every view at full speed, then digest the same (unchanged) views while fsync runs.

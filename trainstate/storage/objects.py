@@ -30,6 +30,7 @@ retry never commits twice and never reports a lost race that was won.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -138,7 +139,7 @@ class ObjectStaging:
         (a replaced object, a flipped bit) thus never becomes a file of a new generation."""
         client, target = self._store.client, self.prefix + file
         attempt = self._store._attempt_or_none(generation)
-        source = f"attempts/{attempt}/{file}"
+        source = f"attempts/{attempt}/{record.name}"  # (a spare's twin, or the same name)
         try:
             version = None if attempt is None else client.version(source)
             if version is None or version[0] != record.size:
@@ -150,6 +151,7 @@ class ObjectStaging:
         if landed is None or landed[0] != record.size:
             raise CorruptGeneration(f"{self.generation}/{file}", f"a server-side copy of {generation}/{file} "
                                     "landed with another size; the attempt was abandoned")
+        record = dataclasses.replace(record, name=file)  # the copy's record: its bytes are the source's
         if self._store.proven(source, version[1], record):
             self._store.prove_as(target, landed[1], record)  # a copy by the server of bytes proven here
             return record
