@@ -15,12 +15,14 @@ For each save: the bytes it added to the run directory (the blocks of every
 inode not there before, each counted once, as ``du`` counts hard links) and
 its wall time. Reported: the bytes per save, the amortized ratio over saves
 2..N (bytes added / bytes changed), the median steady save time against the
-whole save's, and the load average. ``--url`` runs the same against an
-object store (``storage_options`` from ``--endpoint``): bytes stored
-(listed) after each save instead of blocks.
+whole save's, and the load average. ``--s3 moto`` (or ``seaweedfs``) runs the
+same on an object store started here on 127.0.0.1 (``tests/objectservers.py``):
+the bytes each save adds to what the bucket holds (every object listed), and
+``--mirror`` on a local run mirrored there (the remote's bytes).
 
     python benchmarks/bench_amortized.py --base 256M
     python benchmarks/bench_amortized.py --base 1G --saves 20
+    python benchmarks/bench_amortized.py --base 256M --s3 seaweedfs [--mirror]
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import sys
+
 import torch
 
 import trainstate as ts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 DIM, RANK = 2048, 16
 
@@ -100,6 +106,8 @@ def main() -> None:
     parser.add_argument("--runs", default="default,full_every=8,whole")
     parser.add_argument("--dir", default=None, help="where the runs go (default: a temporary directory)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--s3", choices=["moto", "seaweedfs"], default=None, help="an object store instead")
+    parser.add_argument("--mirror", action="store_true", help="with --s3: local runs mirrored there")
     args = parser.parse_args()
     layers = max(1, args.base // (DIM * DIM * 4))
     options = {"default": {}, "full_every=8": {"full_every": 8}, "whole": {"full_every": None}}
@@ -107,10 +115,27 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-amortized-"))
     states = {r: build(layers) for r in runs}
     dirs = {r: root / r.replace("=", "-") for r in runs}
+    server = stores = None
+    if args.s3:
+        from objectservers import start_moto, start_seaweedfs
+
+        from trainstate.storage.objects import ObjectStore
+
+        server = start_moto(root / "moto") if args.s3 == "moto" else start_seaweedfs(root / "seaweedfs")
+        bucket, remote = server.make_bucket(), {}
+        for r in runs:
+            url, where = server.url(bucket, r.replace("=", "-")), server.storage_options()
+            remote[r] = (dict(mirror=url, mirror_options=where, mirror_retention=ts.Retention(keep_last=args.keep_last))
+                         if args.mirror else dict(storage_options=where))
+            dirs[r] = url if not args.mirror else dirs[r]
+        stores = {r: ObjectStore(server.url(bucket, r.replace("=", "-")), storage_options=server.storage_options())
+                  for r in runs}
+        options = {r: {**options[r], **remote[r]} for r in runs}
     managers = {r: ts.CheckpointManager(dirs[r], keep_last=args.keep_last, **options[r]) for r in runs}
     added: dict[str, list[int]] = {r: [] for r in runs}
     seconds: dict[str, list[float]] = {r: [] for r in runs}
     seen: dict[str, dict] = {r: {} for r in runs}
+    held: dict[str, int] = {}  # what the run holds after the last save
     loads = []
     try:
         for _ in range(args.saves):
@@ -120,18 +145,28 @@ def main() -> None:
                 start = time.perf_counter()
                 managers[r].save(states[r])
                 seconds[r].append(time.perf_counter() - start)
-                now = blocks(dirs[r])
+                if stores is None:
+                    now = blocks(dirs[r])
+                else:
+                    deadline = time.monotonic() + 600  # a mirror: its upload of this save, counted as the save's
+                    while args.mirror and managers[r].status().mirror.remote_update != states[r].next_update \
+                            and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    now = stores[r].client.listing("")
                 added[r].append(sum(size for inode, size in now.items() if inode not in seen[r]))
-                seen[r] = now
+                seen[r], held[r] = now, sum(now.values())
             loads.append(os.getloadavg()[0])
     finally:
         for m in managers.values():
             m.close()
+        if server is not None:
+            server.stop()
     changed = changed_bytes(states[runs[0]])
     base = sum(p.nbytes for p in states[runs[0]]["model"].base.parameters())
     mib = 1 << 20
+    where = f"{args.s3}{' (mirrored)' if args.mirror else ''}" if args.s3 else "local disk"
     print(f"base {base / mib:.0f} MiB ({layers} x Linear({DIM}, {DIM})), change per save {changed / mib:.1f} MiB, "
-          f"{args.saves} saves, keep_last={args.keep_last}; load {min(loads):.1f}-{max(loads):.1f}")
+          f"{args.saves} saves, keep_last={args.keep_last}, {where}; load {min(loads):.1f}-{max(loads):.1f}")
     report = {"base": base, "changed": changed, "saves": args.saves, "load": [min(loads), max(loads)], "runs": {}}
     whole = statistics.median(seconds["whole"][1:]) if "whole" in runs else None
     for r in runs:
@@ -141,8 +176,9 @@ def main() -> None:
         ratio = f", {steady / whole:.3f}x the whole save's {whole:.3f} s" if whole and r != "whole" else ""
         print(f"{r:>13}: MiB added per save {[round(a / mib, 1) for a in added[r]]}")
         print(f"{'':>13}  amortized over saves 2-{args.saves}: {amortized:.3f}x the changed bytes; first save "
-              f"{added[r][0] / mib:.0f} MiB; median save {steady:.3f} s{ratio}")
-        report["runs"][r] = {"added": added[r], "seconds": seconds[r], "amortized": amortized}
+              f"{added[r][0] / mib:.0f} MiB; median save {steady:.3f} s{ratio}; holds {held[r] / mib:.0f} MiB "
+              f"at the end ({held[r] / base:.2f}x the base)")
+        report["runs"][r] = {"added": added[r], "seconds": seconds[r], "amortized": amortized, "held": held[r]}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.dir is None:

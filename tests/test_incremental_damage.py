@@ -1,12 +1,12 @@
 """A save never passes damage on (issue 48, items 3 and 6): a part is linked or copied only from bytes proven intact.
 
-A frozen ``Linear(512, 640)`` base (its 1.3 MB weight laid out in a part file
-by the first save, on a local disk with a spare copy, the two linked
-crosswise from the second save on; on an object store copied on the server)
-and a trainable head: the issue's LoRA-like state. One bit is flipped in the
-copy the next save takes as its part (the newest's spare on a local disk, its
-part on an object store), the head changes, and the next save must still
-publish the state it had in memory: a fresh restore resumes it bitwise.
+A frozen ``Linear(512, 640)`` base (its 1.3 MB weight laid out by the first
+save in a part file and its spare, the two linked crosswise from the second
+save on: hard links on a local disk, references on an object store) and a
+trainable head: the issue's LoRA-like state. One bit is flipped in the copy
+the next save takes as its part (the newest's spare), the head changes, and
+the next save must still publish the state it had in memory: a fresh restore
+resumes it bitwise.
 
 - On an object store the part is a server-side copy: the copy is proven to
   hold the recorded bytes (read back against the chunk digests, unless its
@@ -61,7 +61,7 @@ def _step(state: ts.TrainState) -> dict[str, torch.Tensor]:
 
 
 def _three_saves(ckpt: ts.CheckpointManager, state: ts.TrainState, after=lambda: None) -> None:
-    """The first lays the base out in a part (and its spare, on a local disk); the second and third link it."""
+    """The first lays the base out in a part and its spare; the second and third link them crosswise."""
     for _ in range(3):
         _step(state)
         ckpt.save(state)
@@ -80,11 +80,13 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 # object stores ---------------------------------------------------------------------------------------------
-def _remote(store, generation: str) -> tuple[str, dict]:
-    """The object key of ``generation``'s part in ``store`` (an ObjectStore), and the generation's manifest."""
+def _remote(store, generation: str, suffix: str = ".spare") -> tuple[str, dict]:
+    """The object holding ``generation``'s spare (``suffix=".safetensors"``: its part) in ``store`` (an
+    ObjectStore: the object those bytes were first uploaded as, which later generations reference), and the
+    generation's manifest. The spare is the copy the next save takes as its part."""
     manifest = json.loads(store.open(generation, "manifest.json").read())
-    part = next(f["name"] for f in manifest["files"] if f["name"].startswith("part-"))
-    return f"attempts/{store.identity(generation)}/{part}", manifest
+    part = next(f["name"] for f in manifest["files"] if f["name"].startswith("part-") and f["name"].endswith(suffix))
+    return store.key(generation, part), manifest
 
 
 def _flip(store, key: str) -> None:
@@ -108,13 +110,14 @@ def _trust_every_copy(monkeypatch) -> None:
 
 @pytest.mark.parametrize("control", [False, True], ids=["proven", "control-copy-unproven"])
 def test_an_object_store_never_copies_a_damaged_part(moto_server, monkeypatch, caplog, control):
-    """The issue's scenario straight on S3: three saves, one bit flipped in the newest generation's part object,
-    the head changed, a save at update 4. The copy is read back against its digests, found damaged and
-    uploaded afresh from the live tensors: a fresh restore resumes gen-4 bitwise. The cost, counted on the
-    wire: a copy is read back once per object this process has not proven (the first link of a process, a
-    replaced object, one uploaded afresh), and a steady save reads no part bytes at all. Control: a copy taken
-    as intact without a read (the old ``intact``); every generation from gen-3 on is then rejected and the
-    restore resumes gen-2, though each save's state was whole in memory."""
+    """The issue's scenario straight on S3: three saves, one bit flipped in the object holding the newest
+    generation's spare (the copy the next save takes as its part), the head changed, a save at update 4. The
+    object is read back against its digests, found damaged and the part uploaded afresh from the live tensors:
+    a fresh restore resumes gen-4 bitwise. The cost, counted on the wire: an object is read back once per
+    version this process has not proven (the two copies at the first link of a process, a replaced object, one
+    uploaded afresh), and a steady save reads no part bytes at all. Control: an object taken as intact without
+    a read (the old ``intact``); gen-4 and gen-6 then read the damaged copy and are rejected, though each
+    save's state was whole in memory."""
     pytest.importorskip("obstore")
     if control:
         _trust_every_copy(monkeypatch)
@@ -143,13 +146,13 @@ def test_an_object_store_never_copies_a_damaged_part(moto_server, monkeypatch, c
                 saved[ckpt.save(state).name] = values
                 read.append(_part_bytes_read(proxy))
     name, values, rejected = _restored(url, storage_options=moto_server.storage_options())
-    if control:  # every generation from gen-3 on names the damaged bytes
+    if control:  # every second generation from gen-4 on reads the damaged bytes
         assert "not linking" not in caplog.text
-        assert (name, rejected) == ("gen-000000000002", [f"gen-{u:012d}" for u in (6, 5, 4, 3)])
+        assert (name, rejected) == ("gen-000000000005", ["gen-000000000006"])
         return
     assert (name, rejected) == ("gen-000000000006", []) and _equal(values, saved[name])
     assert "not linking" in caplog.text and "does not hold what was recorded" in caplog.text
-    assert read == [0, part_size, 0, part_size, part_size, 0], read
+    assert read == [0, 2 * part_size, 0, part_size, part_size, 0], read
     fresh = _state(seed=9)
     with ts.CheckpointManager(url, storage_options=moto_server.storage_options()) as ckpt:
         assert ckpt.restore(fresh, generation=fourth).generation.name == fourth
@@ -221,7 +224,7 @@ def test_a_mirror_never_copies_a_damaged_remote_part(tmp_path, moto_server, monk
     state = _state()
     with ts.CheckpointManager(tmp_path / "local", keep_last=10, mirror=mirror, mirror_options=options) as ckpt:
         _three_saves(ckpt, state, after=lambda: _mirrored(ckpt, state.next_update))
-        _flip(remote, _remote(remote, "gen-000000000003")[0])
+        _flip(remote, _remote(remote, "gen-000000000003", ".safetensors")[0])  # (the copy gen 3 reads)
         values = _step(state)
         ckpt.save(state)
         _mirrored(ckpt, 4)
@@ -274,7 +277,7 @@ def test_a_mirror_verifies_a_remote_generation_it_finds_committed_before_naming_
         _three_saves(ckpt, state, after=lambda: (_mirrored(ckpt, state.next_update),
                                                  behind.append(remote.read_pointer(POINTER))))
     remote.client.put(POINTER, behind[1])  # as if the upload of gen-3 stopped after its commit
-    _flip(remote, _remote(remote, "gen-000000000003")[0])
+    _flip(remote, _remote(remote, "gen-000000000003", ".safetensors")[0])  # (the copy gen 3 reads)
     resumed = _state(seed=9)
     with ts.CheckpointManager(local, keep_last=10, mirror=mirror, mirror_options=options) as ckpt:
         assert ckpt.restore(resumed).generation.name == "gen-000000000003"
@@ -354,7 +357,7 @@ def test_a_mirror_pull_reports_the_remote_generations_it_passed_over(tmp_path, m
 
         _three_saves(ckpt, state, after=mirrored)
     remote = ObjectStore(mirror, storage_options=options)
-    _flip(remote, _remote(remote, "gen-000000000003")[0])
+    _flip(remote, _remote(remote, "gen-000000000003", ".safetensors")[0])  # (the copy gen 3 reads)
     if control:
         restored = Mirror.restored
         monkeypatch.setattr(Mirror, "restored", lambda self, info: (restored(self, info), info)[1])

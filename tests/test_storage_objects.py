@@ -459,7 +459,7 @@ def test_an_open_multipart_upload_of_a_killed_save_is_aborted_by_the_next_save(m
 
 # multipart part size -------------------------------------------------------------------------------------
 def test_the_part_size_grows_so_that_no_file_needs_more_parts_than_the_store_allows():
-    from trainstate.storage.objects import MAX_PARTS, PART_SIZE, part_size
+    from trainstate.storage.multipart import MAX_PARTS, PART_SIZE, part_size
 
     assert part_size(None) == part_size(0) == part_size(100 << 20) == PART_SIZE
     for size in (PART_SIZE * MAX_PARTS, 160 << 30, 1 << 40, 5 << 40):
@@ -477,10 +477,10 @@ def _multipart_parts(store: ObjectStore, key: str) -> int:
 
 
 def test_an_upload_with_a_size_hint_stays_within_the_part_limit(moto_server, bucket, monkeypatch):
-    from trainstate.storage import objects
+    from trainstate.storage import multipart
 
-    monkeypatch.setattr(objects, "PART_SIZE", 5 << 20)  # S3's smallest part
-    monkeypatch.setattr(objects, "MAX_PARTS", 3)
+    monkeypatch.setattr(multipart, "PART_SIZE", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(multipart, "MAX_PARTS", 3)
     store = ObjectStore(_url(moto_server, bucket), storage_options=moto_server.storage_options())
     data = np.random.default_rng(0).integers(0, 255, 24 << 20, dtype=np.uint8).tobytes()
     blocks = [memoryview(data)[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)]

@@ -119,6 +119,7 @@ def _begin(snap: RankSnapshot, pending: Pending, ranks: Ranks, store: Any, publi
             raise error
         raise CheckpointFailed("begin", {0: shared["error"]})
     if staging is not None:
+        staging.shared = True  # (every rank stages into it: an object store lists their references at the commit)
         shared["_staging"], shared["_superseded"] = staging, outcome.get("_superseded")
     pending.name = shared.get("name", pending.name)  # rank 0 may publish it as a revision (gen-U-r001)
     return shared

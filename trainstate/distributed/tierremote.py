@@ -91,6 +91,7 @@ def _upload(name: str, manifest: Any, manifest_bytes: bytes, ranks: Ranks, tier:
                 for leftover in remote.store.clean_leftovers():
                     log.info("removed leftover %s from an interrupted upload", leftover)
                 staging = remote.store.begin(name)
+                staging.shared = True  # (every node's leader stages into it: an object store lists their references)
                 outcome = {"staging": staging.name}
         except (TrainStateError, OSError) as exc:
             outcome, error = {"error": f"{type(exc).__name__}: {exc}"}, exc

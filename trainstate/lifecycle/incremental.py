@@ -197,12 +197,10 @@ def plan(store: Store, key: SigningKey | None, tensors: dict[str, torch.Tensor],
          frozen: Collection[str] = ()) -> Plan:
     """Read the parent's manifest (:func:`parent_of`), fingerprint ``tensors`` (:func:`take`; ``now``: every
     tensor's, taken already) and lay the generation out (see :mod:`trainstate.state.parts`), each part with a
-    spare where a link shares bytes (a local filesystem; an object store's copy is an object of its own).
-    ``fresh``: link nothing (the save after one whose verification failed writes every file from the live
-    tensors). ``frozen``: tensors of parameters that do not require gradients (the first layout's guide)."""
+    spare. ``fresh``: link nothing (the save after one whose verification failed writes every file from the
+    live tensors). ``frozen``: tensors of parameters that do not require gradients (the first layout's guide)."""
     manifest, chain, link = parent_of(store, key, parent, full_every, known)
-    return lay_out(tensors, manifest, link and not fresh, chain, probe, now, frozen=frozen,
-                   spares=not getattr(store, "remote", False))
+    return lay_out(tensors, manifest, link and not fresh, chain, probe, now, frozen=frozen, spares=True)
 
 
 def lay_out(tensors: Mapping[str, torch.Tensor], manifest: Manifest | None, link: bool, depth: int, probe: bool,

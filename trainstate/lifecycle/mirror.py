@@ -72,7 +72,9 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
 
     Each file is digested as the destination writes it; a file whose bytes
     do not match the manifest (damaged at the source, or in transit) aborts
-    the copy with :class:`CorruptGeneration` and nothing is committed.
+    the copy with :class:`CorruptGeneration` and nothing is committed. A
+    spare is sent from its twin (the same bytes: the copy a restore reads),
+    so a damaged spare is not passed on and does not stop the copy.
     ``on_bytes`` is told each block of the manifest's files as it is read.
     """
     manifest, _, _ = read_manifest(src, name, None, key)
@@ -83,7 +85,8 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
         for record in manifest.files:
             if record.name in manifest.shares and link_held(dst, staging, manifest, record, key):
                 continue  # the destination holds these bytes already: linked or copied there, not sent
-            with src.open(name, record.name) as stream:
+            read = sharing.twin_of(record.name) if sharing.is_spare(record.name) else record.name  # (same bytes:
+            with src.open(name, read) as stream:  # a spare is sent from the copy a restore reads and checks)
                 written = staging.write(record.name, _blocks(stream, on_bytes),
                                         algorithm=manifest.digest_algorithm, size_hint=record.size)
             if (written.size, written.digest) != (record.size, record.digest):
@@ -100,20 +103,26 @@ def copy_generation(src: Store, dst: Store, name: str, key: SigningKey | None, *
 def link_held(dst: Store, staging: Any, manifest: Manifest, record: FileRecord, key: SigningKey | None,
                also: str | None = None) -> bool:
     """An incremental generation's shared file, staged from the copy the destination already holds (its parent's,
-    the generation that first wrote it, or ``also``: say the destination's latest), when that copy's manifest
-    records the same size and digest and the copy is proven to hold those bytes: a local file by its bytes
-    (:func:`.incremental.intact`), an object store's server-side copy by the store
-    (:meth:`trainstate.storage.objects.ObjectStaging.link`). Damage in the destination's copy is never copied
-    into another generation: the caller sends the file from the source's verified bytes instead."""
-    holders = (manifest.parent, sharing.origin(manifest.generation, manifest.shares, record.name)[0], also)
-    for holder in dict.fromkeys(g for g in holders if g is not None):
+    the one that first wrote it, or ``also``: say the destination's latest), when that copy's manifest records
+    the same size and digest and the copy is proven to hold those bytes: a local file by its bytes
+    (:func:`.incremental.intact`), an object store's by the store
+    (:meth:`trainstate.storage.objects.ObjectStaging.link`). Damage in the destination's copy is never linked
+    into another generation: the caller sends the file from the source's verified bytes instead.
+
+    A part kept with a spare takes the parent's *other* copy (the part its spare, the spare its part), as the
+    source linked it: the destination's generations alternate between two copies too."""
+    name = record.name
+    paired = sharing.is_spare(name) or sharing.spare_of(name) in {f.name for f in manifest.files}
+    crosswise = (sharing.twin_of(name) if sharing.is_spare(name) else sharing.spare_of(name)) if paired else name
+    holders = ((manifest.parent, crosswise), sharing.origin(manifest.generation, manifest.shares, name), (also, name))
+    for holder, theirs_name in dict.fromkeys(h for h in holders if h[0] is not None):
         try:
             theirs = read_manifest(dst, holder, None, key)[0]
-            held = next((f for f in theirs.files if f.name == record.name), None)
+            held = next((f for f in theirs.files if f.name == theirs_name), None)
         except (OSError, TrainStateError):
             continue
         if held is not None and (held.size, held.digest) == (record.size, record.digest) and intact(
-                dst, theirs, record.name) and staging.link(record.name, holder, held) is not None:
+                dst, theirs, held.name) and staging.link(name, holder, held) is not None:
             return True
     return False
 

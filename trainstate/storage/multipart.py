@@ -1,4 +1,4 @@
-"""Multipart uploads a killed process left open on S3: found and aborted by the next save's cleanup.
+"""Multipart uploads: the part size, and the uploads a killed process left open on S3 (aborted by a cleanup).
 
 A process SIGKILLed mid-upload leaves its multipart upload open: its parts
 are stored (and billed) but no object lists them, and ``obstore`` cannot
@@ -17,6 +17,18 @@ from typing import Any
 from urllib.parse import urlsplit
 
 log = logging.getLogger("trainstate")
+PART_SIZE = 16 << 20  # multipart part size: large enough for throughput, small enough to bound memory
+MAX_PARTS = 10_000  # S3's (and its imitators') limit on the parts of one multipart upload
+
+
+def part_size(size_hint: int | None) -> int:
+    """The multipart part size for a file of about ``size_hint`` bytes: ``PART_SIZE``, or larger (in whole
+    MiB, with a tenth to spare) when the file would otherwise need more than ``MAX_PARTS`` parts."""
+    if not size_hint:
+        return PART_SIZE
+    needed = -(-size_hint * 11 // 10 // MAX_PARTS)  # ceil, 10% headroom for a hint that runs short
+    return max(PART_SIZE, -(-needed // (1 << 20)) << 20)
+
 
 
 class OpenUploads:

@@ -6,6 +6,7 @@ Layout under the run's URL (``s3://bucket/runs/exp1``)::
     staging/<gen>-<token>             marks an attempt begun (what ``join`` finds, what cleanup removes)
     commits/<gen>                     the commit record: names the attempt that *is* the generation
     aside/<gen>.<reason>-<token>      a set-aside generation's record (its files stay where they are)
+    refs/<gen>-<token>/<file>         a linked file staged: the object holding its bytes (see ``objectrefs``)
     latest, latest-weights, pins, run-identity     small objects, replaced by compare-and-swap
     lock, mutex-<name>                advisory leases
 
@@ -13,7 +14,8 @@ Publication of one generation::
 
     put     attempts/<gen>-<token>/<file>, digested beside the upload (multipart when large)
     put     attempts/<gen>-<token>/manifest.json        last
-    put     commits/<gen>  (create-only)                 stands in for rename: one committer wins
+    put     commits/<gen>  (create-only)                 stands in for rename: one committer wins (and
+                                                         carries the references of the files it links)
     delete  staging/<gen>-<token>
 
 A reader sees a generation only through its commit record, so an attempt is
@@ -44,9 +46,10 @@ from typing import Any, BinaryIO
 from ..errors import CorruptGeneration, DirectoryLocked, GenerationExists, TrainStateError
 from ..format.digest import FAST_CHUNKED, new_hasher
 from ..format.manifest import MANIFEST, MAX_JSON_BYTES, POINTER, WEIGHTS_POINTER, FileRecord, newest_first
+from . import objectrefs
 from .lease import Lease, token as _token
 from .objectclient import Client, Precondition, Taken
-from .multipart import OpenUploads
+from .multipart import OpenUploads, part_size
 from .posix import coalesce
 
 __all__ = ["ObjectStaging", "ObjectStore"]
@@ -58,25 +61,13 @@ _ATTEMPT_RE = re.compile(rf"({_NAME})-({_TOKEN})")
 _ASIDE_RE = re.compile(rf"(gen-\d{{12}}(?:-weights|-r\d{{3}})?)\.(rejected|abandoned|superseded)-{_TOKEN}")
 ASIDE_REASONS = ("rejected", "abandoned", "superseded")
 _RECORD = "trainstate-commit"
-PART_SIZE = 16 << 20  # multipart part size: large enough for throughput, small enough to bound memory
-MAX_PARTS = 10_000  # S3's (and its imitators') limit on the parts of one multipart upload
+def _record(generation: str, attempt: str, refs: objectrefs.Refs | None = None) -> bytes:
+    return json.dumps({"format": _RECORD, "generation": generation, "attempt": attempt,
+                       **objectrefs.to_record(refs or {})}).encode()
 
 
-def part_size(size_hint: int | None) -> int:
-    """The multipart part size for a file of about ``size_hint`` bytes: ``PART_SIZE``, or larger (in whole
-    MiB, with a tenth to spare) when the file would otherwise need more than ``MAX_PARTS`` parts."""
-    if not size_hint:
-        return PART_SIZE
-    needed = -(-size_hint * 11 // 10 // MAX_PARTS)  # ceil, 10% headroom for a hint that runs short
-    return max(PART_SIZE, -(-needed // (1 << 20)) << 20)
-
-
-def _record(generation: str, attempt: str) -> bytes:
-    return json.dumps({"format": _RECORD, "generation": generation, "attempt": attempt}).encode()
-
-
-def _parse_record(data: bytes, where: str) -> str:
-    """The attempt a commit (or aside) record names."""
+def _parse_record(data: bytes, where: str) -> tuple[str, objectrefs.Refs]:
+    """The attempt a commit (or aside) record names, and the files it references (see :mod:`.objectrefs`)."""
     try:
         raw = json.loads(data)
         attempt = raw["attempt"]
@@ -84,7 +75,7 @@ def _parse_record(data: bytes, where: str) -> str:
             raise ValueError
     except (ValueError, KeyError, TypeError):
         raise CorruptGeneration(where, "is not a trainstate commit record") from None
-    return attempt
+    return attempt, objectrefs.from_record(raw, where)
 
 
 class ObjectStaging:
@@ -105,6 +96,8 @@ class ObjectStaging:
                                         "not exist; every rank must use the same run URL")
             self.name = joined
         self.prefix = f"attempts/{self.name}/"
+        self.refs: objectrefs.Refs = {}  # the files this attempt references (:meth:`link`), staged as objects too
+        self.shared = False  # other ranks stage files (and references) into this attempt: list them at commit
 
     def write(self, file: str, chunks: Iterable[bytes | memoryview], *, stable: bool = False,
               algorithm: str | None = None, size_hint: int | None = None) -> FileRecord:
@@ -129,55 +122,49 @@ class ObjectStaging:
         return FileRecord(file, size, digest, tuple(getattr(hasher, "chunks", ())))
 
     def link(self, file: str, generation: str, record: FileRecord) -> FileRecord | None:
-        """A server-side copy of the same file of committed ``generation``: none of its bytes is uploaded
-        (an object store stores the copy again; each generation's objects stay its own). ``None`` where the
-        source is gone, is not the recorded size, the store refuses the copy (S3 copies at most 5 GB in
-        one request), or the copy does not hold ``record``'s bytes: the caller uploads the file instead.
+        """Stage ``file`` as a reference to the object holding committed ``generation``'s ``record`` (the one its
+        bytes were first uploaded as): nothing is uploaded or copied, the bytes are stored once (:mod:`.objectrefs`).
+        ``None`` where the object is gone, is not the recorded size, or does not hold ``record``'s bytes.
 
-        The copy is proven to hold ``record`` (:meth:`ObjectStore.proven`): at once when the source is a version
-        this store proved before, else by reading the copy back against ``record``'s digests. A damaged source
-        (a replaced object, a flipped bit) thus never becomes a file of a new generation."""
-        client, target = self._store.client, self.prefix + file
-        attempt = self._store._attempt_or_none(generation)
-        source = f"attempts/{attempt}/{record.name}"  # (a spare's twin, or the same name)
+        The object is proven to hold ``record`` (:meth:`ObjectStore.proven`): at once when it is a version this
+        store proved before, else by reading it back against ``record``'s digests. A damaged object (a replaced
+        one, a flipped bit) thus never becomes a file of a new generation."""
+        client = self._store.client
         try:
-            version = None if attempt is None else client.version(source)
-            if version is None or version[0] != record.size:
-                return None
-            client.copy(source, target)
+            source = self._store.key(generation, record.name)  # (a spare's twin, or the same name; resolved)
+            version = client.version(source)
         except (OSError, TrainStateError):
             return None
-        landed = client.version(target)
-        if landed is None or landed[0] != record.size:
-            raise CorruptGeneration(f"{self.generation}/{file}", f"a server-side copy of {generation}/{file} "
-                                    "landed with another size; the attempt was abandoned")
-        record = dataclasses.replace(record, name=file)  # the copy's record: its bytes are the source's
-        if self._store.proven(source, version[1], record):
-            self._store.prove_as(target, landed[1], record)  # a copy by the server of bytes proven here
-            return record
-        if self._store.prove(target, record, f"{generation}/{file}", landed[1]):
-            return record
-        with contextlib.suppress(Exception):  # (the upload that follows replaces it; an abort removes it)
-            client.delete(target)
-        return None
+        if version is None or version[0] != record.size:
+            return None
+        if not self._store.proven(source, version[1], record) and not self._store.prove(
+                source, record, f"{generation}/{record.name}", version[1]):
+            return None
+        client.put(f"{objectrefs.REFS}{self.name}/{file}", objectrefs.encode(source, record.size))
+        self.refs[file] = (source, record.size)
+        return dataclasses.replace(record, name=file)
 
     def commit(self) -> None:
         """The create-only commit record: the one moment the generation becomes visible."""
         client, key = self._store.client, f"commits/{self.generation}"
+        refs = {**objectrefs.staged(client, self.name), **self.refs} if self.shared else self.refs
         try:
-            client.put(key, _record(self.generation, self.name), create=True)
+            client.put(key, _record(self.generation, self.name, refs), create=True)
         except Taken:
             if self._store._attempt(self.generation) != self.name:  # not a retry of our own landed put
                 raise GenerationExists(f"{self._store.location}/{key} already exists; a published generation is "
                                        "never overwritten") from None
         client.delete(f"staging/{self.name}")
+        if refs:  # the record carries them now (a leftover is a live attempt's, consistent with it)
+            client.delete_prefix(f"{objectrefs.REFS}{self.name}/")
 
     def abort(self) -> None:
         """Best effort: whatever stays is a leftover that the next save's cleanup removes."""
         with contextlib.suppress(Exception):
             if self._store._attempt_or_none(self.generation) == self.name:
                 return  # committed after all (a commit that raised after landing): never delete a generation
-            self._store._delete_attempt(self.name)
+            self._store.client.delete(f"staging/{self.name}")
+            self._store.sweep()
 
 
 def _marker() -> bytes:
@@ -202,6 +189,7 @@ class ObjectStore:
         self._attempts: dict[str, str] = {}
         self._manifests: dict[str, bytes] = {}  # attempt -> its manifest: never rewritten once an attempt committed,
         # so kept by every store, a reader's too (attempt names are never reused)
+        self._refs: dict[str, objectrefs.Refs] = {}  # attempt -> the files it references: as immutable
         self._pins = 0  # open pinned() scopes: commit records read once each, for a reader too
         # object key -> (ETag, digest): versions whose bytes this store proved to hold the file of that digest
         # (read back against the manifest's digests, or copied by the server from such a version)
@@ -248,12 +236,12 @@ class ObjectStore:
                 holds(stream, record, where, self.digest_algorithm)
                 version = stream.version
         except CorruptGeneration as exc:
-            log.warning("not linking %s: its server-side copy does not hold what was recorded when it was written "
+            log.warning("not linking %s: the object does not hold what was recorded when it was written "
                         "(%s); the file is written from the bytes in memory or on disk instead. Every generation "
                         "naming it is damaged: `trainstate verify %s` lists them", where, exc.reason, self.location)
             return False
         except OSError as exc:
-            log.warning("not linking %s: its server-side copy could not be read back (%s); the file is written "
+            log.warning("not linking %s: the object could not be read back (%s); the file is written "
                         "from the bytes in memory or on disk instead", where, exc)
             return False
         self.prove_as(key, version if version == e_tag else "", record)  # (replaced meanwhile: proven once)
@@ -266,7 +254,15 @@ class ObjectStore:
 
     def read_ranges(self, generation: str, file: str, spans: list[tuple[int, int]]) -> list[memoryview]:
         """The bytes of each ``[begin, end)`` span of a committed file (bounded ranged GETs, in parallel)."""
-        return self.client.read_ranges(f"attempts/{self._attempt(generation)}/{file}", spans)
+        return self.client.read_ranges(self.key(generation, file), spans)
+
+    def key(self, generation: str, file: str) -> str:
+        """The object holding ``file`` of committed ``generation``: its own, or the one it references."""
+        return self._object(self._attempt(generation), file)
+
+    def _object(self, attempt: str, file: str) -> str:
+        ref = self._refs.get(attempt, {}).get(file)
+        return ref[0] if ref is not None else f"attempts/{attempt}/{file}"
 
     def _attempt_or_none(self, generation: str) -> str | None:
         if (self._lease is not None or self._pins) and generation in self._attempts:
@@ -274,7 +270,10 @@ class ObjectStore:
         data = self.client.get_small(f"commits/{generation}")
         if data is None and _ASIDE_RE.fullmatch(generation):  # a set-aside generation: kept as evidence
             data = self.client.get_small(f"aside/{generation}")
-        attempt = None if data is None else _parse_record(data, f"{self.location}/commits/{generation}")
+        attempt = None
+        if data is not None:
+            attempt, refs = _parse_record(data, f"{self.location}/commits/{generation}")
+            self._refs[attempt] = refs
         if attempt is not None and (self._lease is not None or self._pins):
             self._attempts[generation] = attempt
         return attempt
@@ -290,13 +289,24 @@ class ObjectStore:
         return self._attempt(generation)
 
     def files(self, generation: str) -> dict[str, int | None]:
-        prefix = f"attempts/{self._attempt(generation)}/"
-        return {path[len(prefix):]: size for path, size in self.client.listing(prefix).items()}
+        """Its own objects and the ones it references, with their sizes as listed (a referenced object that
+        is gone is missing here)."""
+        attempt = self._attempt(generation)
+        prefix = f"attempts/{attempt}/"
+        found: dict[str, int | None] = {path[len(prefix):]: size for path, size in self.client.listing(prefix).items()}
+        listed: dict[str, dict[str, int]] = {}
+        for file, (target, _) in self._refs.get(attempt, {}).items():
+            folder = target.rsplit("/", 1)[0] + "/"
+            if folder not in listed:
+                listed[folder] = self.client.listing(folder)
+            if target in listed[folder]:
+                found[file] = listed[folder][target]
+        return found
 
     def open(self, generation: str, file: str) -> BinaryIO:
         attempt = self._attempt(generation)
         if file != MANIFEST:
-            return self.client.reader(f"attempts/{attempt}/{file}")
+            return self.client.reader(self._object(attempt, file))
         # every save and restore reads a few manifests several times; an attempt's never changes once committed
         data = self._manifests.get(attempt)
         if data is None:
@@ -319,9 +329,13 @@ class ObjectStore:
         """Attempts that no commit or aside record names: interrupted saves, and prunes that stopped halfway."""
         named = set(self._named_attempts())
         # from the objects themselves: some servers (SeaweedFS) keep an emptied "folder" listed
-        found = {path.split("/", 2)[1] for path in self.client.listing("attempts/")}
+        objects = self.client.listing("attempts/")
+        found = {path.split("/", 2)[1] for path in objects}
         found |= set(self.client.names("staging/"))
         found |= {key.split("/", 2)[1] for key, _ in self.uploads.listed("attempts/")}
+        found |= {key.split("/", 2)[1] for key in self.client.listing(objectrefs.REFS)}
+        # an attempt whose generation is gone but whose objects a kept one references is not left over
+        found -= objectrefs.retained(objects, named, {t for a in named for t, _ in self._refs.get(a, {}).values()})
         return sorted(a for a in found if a not in named and _ATTEMPT_RE.fullmatch(a))
 
     def _named_attempts(self) -> Iterator[str]:
@@ -334,7 +348,23 @@ class ObjectStore:
             data = self.client.get_small(f"aside/{name}")
             if data is not None:
                 with contextlib.suppress(CorruptGeneration):
-                    yield _parse_record(data, f"aside/{name}")
+                    attempt, refs = _parse_record(data, f"aside/{name}")
+                    self._refs[attempt] = refs
+                    yield attempt
+
+    def _live(self) -> tuple[set[str], set[str]]:
+        """The live attempts (named by a record, or staged: a marker) and the objects their records reference."""
+        named = set(self._named_attempts())
+        live = named | set(self.client.names("staging/"))
+        return live, {target for a in named for target, _ in self._refs.get(a, {}).values()}
+
+    def sweep(self) -> list[str]:
+        """Delete what no live attempt holds or references (:func:`.objectrefs.sweep`); the attempts now gone."""
+        live, kept = self._live()
+        gone = objectrefs.sweep(self.client, self.uploads, live, kept)
+        for attempt in gone:
+            self._manifests.pop(attempt, None)
+        return gone
 
     def listings_held(self) -> contextlib.AbstractContextManager[None]:
         """A scope in which each listing of the records is requested once until this store writes anything (one
@@ -393,21 +423,15 @@ class ObjectStore:
         self._attempts.pop(generation, None)
         self.client.delete(f"{folder}/{generation}")
         if attempt is not None:
-            self._delete_attempt(attempt)
-
-    def _delete_attempt(self, attempt: str) -> None:
-        self._manifests.pop(attempt, None)
-        for key, upload_id in self.uploads.listed(f"attempts/{attempt}/"):
-            self.uploads.abort(key, upload_id)
-        self.client.delete_prefix(f"attempts/{attempt}/")
-        self.client.delete(f"staging/{attempt}")
+            self.client.delete(f"staging/{attempt}")
+            self.sweep()
 
     def set_aside(self, generation: str, reason: str) -> str:
         if reason not in ASIDE_REASONS:
             raise ValueError(f"reason must be one of {ASIDE_REASONS}, got {reason!r}")
         aside = f"{generation}.{reason}-{_token()}"
         attempt = self._attempt(generation)
-        self.client.put(f"aside/{aside}", _record(aside, attempt), create=True)
+        self.client.put(f"aside/{aside}", _record(aside, attempt, self._refs.get(attempt)), create=True)
         self._attempts.pop(generation, None)
         self.client.delete(f"commits/{generation}")
         return aside
@@ -418,7 +442,8 @@ class ObjectStore:
     def reinstate(self, aside: str, generation: str) -> None:
         attempt = self._attempt(aside)
         try:
-            self.client.put(f"commits/{generation}", _record(generation, attempt), create=True)
+            self.client.put(f"commits/{generation}", _record(generation, attempt, self._refs.get(attempt)),
+                            create=True)
         except Taken:
             if self._attempt_or_none(generation) != attempt:
                 raise GenerationExists(f"cannot put {aside} back: {self.location}/commits/{generation} exists") \
@@ -435,7 +460,9 @@ class ObjectStore:
     def clean_leftovers(self) -> list[str]:
         removed = self.leftovers()
         for attempt in removed:
-            self._delete_attempt(attempt)
+            self.client.delete(f"staging/{attempt}")
+        if removed:
+            self.sweep()
         return removed
 
     # leases ------------------------------------------------------------------
