@@ -298,16 +298,16 @@ def prove(store: Store, p: Plan) -> Plan:
     return p
 
 
-def spared(p: Plan, written: Collection[str], main: str) -> list[str]:
-    """Of the parts ``written``, those whose spare is written too (not linked from the parent)."""
-    return [f for f in written if p.spares and f != main and sharing.spare_of(f) not in p.links]
+def spared(p: Plan, written: Collection[str], main: str, linked: Collection[str]) -> list[str]:
+    """Of the parts ``written``, those whose spare is written too (not among the files ``linked``)."""
+    return [f for f in written if p.spares and f != main and sharing.spare_of(f) not in linked]
 
 
 def written_bytes(p: Plan, tensors: Mapping[str, torch.Tensor], main: str = parts.TENSORS) -> int:
     """The tensor bytes the files ``p`` writes hold, spares included (a linked file writes none: a hard link or
     a server-side copy), with a header allowance per tensor as :attr:`trainstate.publish.Pending.estimated_bytes`
     counts."""
-    files = [*p.layout.written, *spared(p, p.layout.written, main)]
+    files = [*p.layout.written, *spared(p, p.layout.written, main, p.links)]
     return sum(tensors[n].nbytes + 128 for file in files for n in p.layout.written[file])
 
 
@@ -339,7 +339,7 @@ def write(staging: Staging, p: Plan, tensors: dict[str, torch.Tensor], counted: 
     written = {file: names for file, names in written.items() if names or write_empty}
     chosen = {file: {n: tensors[n] for n in names} for file, names in written.items()}
     layouts = {file: tensorfile.plan(chosen[file]) for file in written}
-    twice = [f for f in written if p.spares and f != main and sharing.spare_of(f) not in p.shares]
+    twice = spared(p, written, main, p.shares)  # (a spare whose link failed is written)
     if total is not None:
         total(sum(layouts[f].size for f in [*written, *twice]))
     for file, layout in layouts.items():

@@ -335,7 +335,7 @@ class ObjectStore:
         found |= {key.split("/", 2)[1] for key, _ in self.uploads.listed("attempts/")}
         found |= {key.split("/", 2)[1] for key in self.client.listing(objectrefs.REFS)}
         # an attempt whose generation is gone but whose objects a kept one references is not left over
-        found -= objectrefs.retained(objects, named, {t for a in named for t, _ in self._refs.get(a, {}).values()})
+        found -= objectrefs.retained(objects, named, self._referenced(named))
         return sorted(a for a in found if a not in named and _ATTEMPT_RE.fullmatch(a))
 
     def _named_attempts(self) -> Iterator[str]:
@@ -356,7 +356,11 @@ class ObjectStore:
         """The live attempts (named by a record, or staged: a marker) and the objects their records reference."""
         named = set(self._named_attempts())
         live = named | set(self.client.names("staging/"))
-        return live, {target for a in named for target, _ in self._refs.get(a, {}).values()}
+        return live, self._referenced(named)
+
+    def _referenced(self, attempts: set[str]) -> set[str]:
+        """The objects the records of ``attempts`` reference (read with them: :meth:`_attempt_or_none`)."""
+        return {target for a in attempts for target, _ in self._refs.get(a, {}).values()}
 
     def sweep(self) -> list[str]:
         """Delete what no live attempt holds or references (:func:`.objectrefs.sweep`); the attempts now gone."""
