@@ -18,11 +18,15 @@ its wall time. Reported: the bytes per save, the amortized ratio over saves
 whole save's, and the load average. ``--s3 moto`` (or ``seaweedfs``) runs the
 same on an object store started here on 127.0.0.1 (``tests/objectservers.py``):
 the bytes each save adds to what the bucket holds (every object listed), and
-``--mirror`` on a local run mirrored there (the remote's bytes).
+``--mirror`` on a local run mirrored there (the remote's bytes). ``--ranks 2``
+runs the same under ``torchrun`` with gloo ranks, each base layer and the
+model ``fully_shard``-ed over them (FSDP2), every run in one directory the
+ranks share; each save's time is rank 0's between barriers.
 
     python benchmarks/bench_amortized.py --base 256M
     python benchmarks/bench_amortized.py --base 1G --saves 20
     python benchmarks/bench_amortized.py --base 256M --s3 seaweedfs [--mirror]
+    python benchmarks/bench_amortized.py --base 256M --ranks 2
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import sys
-
 import torch
+import torch.distributed as dist
 
 import trainstate as ts
 
@@ -69,6 +74,12 @@ class Lora(torch.nn.Module):
 def build(layers: int) -> ts.TrainState:
     torch.manual_seed(0)
     model = Lora(layers)
+    if dist.is_initialized():  # FSDP2 over the ranks: each base layer, then the rest
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.base:
+            fully_shard(layer)
+        fully_shard(model)
     return ts.TrainState(model=model, optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                                                   lr=1e-3))
 
@@ -84,7 +95,12 @@ def step(state: ts.TrainState) -> None:
 def changed_bytes(state: ts.TrainState) -> int:
     """The adapters and their two AdamW moments: what a steady save must write (step counters aside)."""
     moments = [v for entry in state["optimizer"].state.values() for v in entry.values() if v.dim()]
-    return sum(p.nbytes for p in state["model"].parameters() if p.requires_grad) + sum(m.nbytes for m in moments)
+    return sum(nbytes(p) for p in state["model"].parameters() if p.requires_grad) + sum(nbytes(m) for m in moments)
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes of ``tensor`` over every rank (a DTensor's global size)."""
+    return tensor.numel() * tensor.element_size()
 
 
 def blocks(run: Path) -> dict[tuple[int, int], int]:
@@ -108,11 +124,26 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--s3", choices=["moto", "seaweedfs"], default=None, help="an object store instead")
     parser.add_argument("--mirror", action="store_true", help="with --s3: local runs mirrored there")
+    parser.add_argument("--ranks", type=int, default=1, help="gloo ranks under torchrun (FSDP2), a shared directory")
     args = parser.parse_args()
+    if args.ranks > 1 and "WORLD_SIZE" not in os.environ:
+        if args.s3:
+            parser.error("--ranks with --s3 is not measured here")
+        raise SystemExit(subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          f"--nproc_per_node={args.ranks}", __file__, *sys.argv[1:]],
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+    lead = not dist.is_initialized() or dist.get_rank() == 0
     layers = max(1, args.base // (DIM * DIM * 4))
     options = {"default": {}, "full_every=8": {"full_every": 8}, "whole": {"full_every": None}}
     runs = args.runs.split(",")
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-amortized-"))
+    if dist.is_initialized():  # every rank saves into rank 0's directory
+        shared = [str(root)]
+        dist.broadcast_object_list(shared, 0)
+        root = Path(shared[0])
     states = {r: build(layers) for r in runs}
     dirs = {r: root / r.replace("=", "-") for r in runs}
     server = stores = None
@@ -142,9 +173,13 @@ def main() -> None:
             for r in runs:  # interleaved: each run's save i, then the next run's
                 step(states[r])
                 os.sync()
+                barrier()
                 start = time.perf_counter()
                 managers[r].save(states[r])
+                barrier()
                 seconds[r].append(time.perf_counter() - start)
+                if not lead:
+                    continue
                 if stores is None:
                     now = blocks(dirs[r])
                 else:
@@ -162,9 +197,13 @@ def main() -> None:
         if server is not None:
             server.stop()
     changed = changed_bytes(states[runs[0]])
-    base = sum(p.nbytes for p in states[runs[0]]["model"].base.parameters())
+    base = sum(nbytes(p) for p in states[runs[0]]["model"].base.parameters())
+    if not lead:
+        dist.destroy_process_group()
+        return
     mib = 1 << 20
     where = f"{args.s3}{' (mirrored)' if args.mirror else ''}" if args.s3 else "local disk"
+    where += f", {args.ranks} ranks (FSDP2, gloo)" if args.ranks > 1 else ""
     print(f"base {base / mib:.0f} MiB ({layers} x Linear({DIM}, {DIM})), change per save {changed / mib:.1f} MiB, "
           f"{args.saves} saves, keep_last={args.keep_last}, {where}; load {min(loads):.1f}-{max(loads):.1f}")
     report = {"base": base, "changed": changed, "saves": args.saves, "load": [min(loads), max(loads)], "runs": {}}
@@ -183,6 +222,13 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 if __name__ == "__main__":

@@ -22,12 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trainstate as ts  # noqa: E402
 from dist_worker import TIMEOUT_S, full_state, main, same, save_ref, scenario  # noqa: E402
 
-FULL_EVERY = 3
+FULL_EVERY = 0  # the default: each part in two copies, linked crosswise; no generation forced whole
+WIDTH = int(os.environ.get("TRAINSTATE_TEST_LORA_WIDTH", "1024"))
+GOLDEN_WIDTH = 768  # the golden incremental run's (a smaller fixture)
 
 
 class Lora(torch.nn.Module):
-    def __init__(self, width: int = 1024, rank: int = 8):
+    def __init__(self, width: int | None = None, rank: int = 8):
         super().__init__()
+        width = width or WIDTH
         self.base = torch.nn.Linear(width, width)  # 4 MiB of weight: 2 MiB per rank at world size 2
         self.base.requires_grad_(False)
         self.down = torch.nn.Linear(width, rank, bias=False)
@@ -50,7 +53,7 @@ def lora_state(seed: int = 0) -> ts.TrainState:
 
 def lora_step(state: ts.TrainState) -> None:
     g = state.rngs["noise"]
-    x = torch.randn(4, 1024, generator=g)
+    x = torch.randn(4, WIDTH, generator=g)
     loss = ((state["model"](x) - x) ** 2).mean()
     loss.backward()
     state["optimizer"].step()
@@ -60,9 +63,10 @@ def lora_step(state: ts.TrainState) -> None:
 
 
 def _own_parts(run: Path, name: str) -> dict[str, int]:
-    """This rank's part files in generation ``name``, by inode (the same inode: the same stored bytes)."""
+    """This rank's part files and their spares in generation ``name``, by inode (the same inode: the same stored
+    bytes)."""
     rank = dist.get_rank()
-    return {p.name: p.stat().st_ino for p in (run / name).glob(f"shard-{rank:05d}-part-*.safetensors")}
+    return {p.name: p.stat().st_ino for p in sorted((run / name).glob(f"shard-{rank:05d}-part-*"))}
 
 
 def _manifest(run: Path, name: str) -> dict:
@@ -86,8 +90,8 @@ def _run(out: Path) -> dict:
             if update == 6:
                 _write_frozen(state)
             names.append(ckpt.save(state).name)
-            if update == 3:
-                save_ref(out / "gen4.safetensors", full_state(state))
+            if update == 5:
+                save_ref(out / "gen6.safetensors", full_state(state))
             manifest = _manifest(run, names[-1])
             parts.append(_own_parts(run, names[-1]))
             sizes.append([sum(f["size"] for f in manifest["files"] if f["name"] not in manifest.get("shares", {})),
@@ -105,7 +109,7 @@ def _run(out: Path) -> dict:
 
 @scenario
 def incremental(out: Path) -> dict:
-    """Seven saves with full_every=3; the seventh after a write to rank 1's frozen shard; a restore of the last."""
+    """Seven saves with the defaults; the seventh after a write to rank 1's frozen shard; a restore of the last."""
     return _run(out)
 
 
@@ -148,14 +152,15 @@ def _copy_keeping_links(source: Path, target: Path) -> None:
 
 @scenario
 def incremental_damaged(out: Path) -> dict:
-    """One flipped bit in a part that gens 5, 6 and 7 share (rank 0's, written by gen 5): the restore falls back
-    past all three to gen 4, which links gen 2's copy; ``trainstate verify`` names each damaged generation."""
+    """One flipped bit in the copy of rank 0's base that gen 7 reads (which gens 1, 3 and 5 read too, and gens 2,
+    4 and 6 keep as their spare): the restore falls back past gen 7 to gen 6, which reads the other copy;
+    ``trainstate verify`` names each generation that lists the damaged copy."""
     source = out.parent / "incremental"
     run = out / "run"
     if dist.get_rank() == 0:
         _copy_keeping_links(source / "run", run)
         names = sorted(p.name for p in run.glob("gen-*"))
-        part = next(p for p in (run / names[4]).glob("shard-00000-part-*.safetensors"))
+        part = next(p for p in (run / names[6]).glob("shard-00000-part-*.safetensors"))
         data = bytearray(part.read_bytes())
         data[-5] ^= 0x04
         os.chmod(part, 0o644)
@@ -165,7 +170,7 @@ def incremental_damaged(out: Path) -> dict:
     fresh = lora_state(seed=7)
     with ts.CheckpointManager(run, collective_timeout_s=TIMEOUT_S) as ckpt:
         info = ckpt.restore(fresh)
-    want = load_file(str(source / "gen4.safetensors"))
+    want = load_file(str(source / "gen6.safetensors"))
     result = {"restored": info.generation.name, "rejected": [r.generation for r in info.rejected],
               "differs": same(full_state(fresh), want)}
     if dist.get_rank() == 0:
@@ -185,7 +190,7 @@ def incremental_damaged(out: Path) -> dict:
 def incremental_reshard(out: Path) -> dict:
     """At another world size: the incremental run restores bitwise (allow_changes), then saves three times: the
     first writes every item into the shard of what changed (the parent's items had other shapes), the second
-    splits the unchanged base into a part, the third links it."""
+    splits the unchanged base into a part and its spare, the third links them crosswise."""
     source = Path(os.environ["TRAINSTATE_TEST_SOURCE"]) / "incremental"
     run = out / "run"
     if dist.get_rank() == 0:
@@ -231,8 +236,15 @@ def incremental_objects(out: Path) -> dict:
     with ts.CheckpointManager(remote["url"], storage_options=remote["storage_options"],
                               collective_timeout_s=TIMEOUT_S) as ckpt:
         info = ckpt.restore(fresh)
-    return {"names": names, "uploaded": uploaded, "restored": info.generation.name,
+    return {"names": names, "uploaded": uploaded, "restored": info.generation.name, "held": _held(remote),
             "differs": same(full_state(fresh), live)}
+
+
+def _held(remote: dict) -> int:
+    """The bytes the remote run holds (every object listed)."""
+    from trainstate.storage.objects import ObjectStore
+
+    return sum(ObjectStore(remote["url"], storage_options=remote["storage_options"]).client.listing("").values())
 
 
 def _tiered() -> ts.CheckpointManager:
@@ -244,25 +256,53 @@ def _tier_parts(name: str) -> dict[str, int]:
     """Every rank's part files this node holds in ``name`` (its own, and the replicas it keeps), by inode."""
     node = Path(os.environ["TRAINSTATE_NODE_DIR"])
     return {f"{p.parent.parent.name}/{p.name}": p.stat().st_ino for p in sorted(
-        [*(node / name).glob("shard-*-part-*.safetensors"), *(node / "replicas" / name).glob("shard-*-part-*")])}
+        [*(node / name).glob("shard-*-part-*"), *(node / "replicas" / name).glob("shard-*-part-*")])}
+
+
+def _flip(path: Path) -> None:
+    """One bit flipped in place near the end of ``path`` (every generation naming its inode sees it)."""
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as stream:
+        stream.seek(-5, os.SEEK_END)
+        byte = stream.read(1)[0]
+        stream.seek(-5, os.SEEK_END)
+        stream.write(bytes([byte ^ 0x04]))
 
 
 @scenario
 def tier_incremental(out: Path) -> dict:
-    """Node-local tiers (a node per rank, replicas=2): five saves link each node's own part within its own
-    directory; a restore from the node's own disk is bitwise."""
+    """Node-local tiers (a node per rank, replicas=2): five saves link each node's own part and spare within its
+    own directory, and its peer's within its replicas (the bytes each save's replication receives counted);
+    before the fourth, one bit of the replica copy it would link as its part is flipped (so that copy is sent
+    again); a restore from the node's own disk is bitwise."""
+    from trainstate.distributed import tiersave
+
     state = lora_state()
-    names, parts = [], []
-    with _tiered() as ckpt:
-        for _ in range(5):
-            lora_step(state)
-            names.append(ckpt.save(state).name)
-            parts.append(_tier_parts(names[-1]))
+    names, parts, received = [], [], []
+    real = tiersave._receive
+
+    def counted(size, sender, ranks):
+        received[-1] += size
+        return real(size, sender, ranks)
+
+    tiersave._receive = counted
+    try:
+        with _tiered() as ckpt:
+            for save in range(5):
+                if save == 3:  # damage the copy of the peer's base that gen 4's replica would link as its part
+                    _flip(next((Path(os.environ["TRAINSTATE_NODE_DIR"]) / "replicas" / names[2]).glob("*.spare")))
+                lora_step(state)
+                received.append(0)
+                names.append(ckpt.save(state).name)
+                parts.append(_tier_parts(names[-1]))
+    finally:
+        tiersave._receive = real
     save_ref(out.parent / "tier_live.safetensors", full_state(state))
     fresh = lora_state(seed=3)
     with _tiered() as ckpt:
         info = ckpt.restore(fresh)
     return {"names": names, "parts": parts, "restored": info.generation.name, "sources": info.sources,
+            "received": received,
             "differs": same(full_state(fresh), load_file(str(out.parent / "tier_live.safetensors")))}
 
 
@@ -313,14 +353,76 @@ def tier_incremental_remote(out: Path) -> dict:
     finally:
         Client.put_stream = real
     live = full_state(state)
+    held = _held(remote)
     dist.barrier()
     shutil.rmtree(node)  # every node lost: the remote alone
     dist.barrier()
     fresh = lora_state(seed=8)
     with manager() as ckpt:
         info = ckpt.restore(fresh)
-    return {"uploaded": uploaded, "restored": info.generation.name, "sources": info.sources,
+    return {"uploaded": uploaded, "restored": info.generation.name, "sources": info.sources, "held": held,
             "differs": same(full_state(fresh), live)}
+
+
+def _reference(updates: int) -> dict[str, torch.Tensor]:
+    """The state of an uninterrupted run after ``updates`` (the golden run's, recomputed: CPU and gloo are exact)."""
+    state = lora_state()
+    for _ in range(updates):
+        lora_step(state)
+    return full_state(state)
+
+
+@scenario
+def golden_incremental_write(out: Path) -> dict:
+    """Writes tests/golden/multirank-incremental-v4-82a1efe (run once, by the code at 82a1efe, before a shard's
+    parts had spares; ``TRAINSTATE_TEST_LORA_WIDTH=768``, ``GOLDEN_WIDTH``): three saves with the defaults of then (gen 2 lays each
+    rank's base out in one part, gen 3 links it); only gen 3 is kept."""
+    state = lora_state()
+    run = out / "run"
+    with ts.CheckpointManager(run, keep_last=1, collective_timeout_s=TIMEOUT_S) as ckpt:
+        for _ in range(3):
+            lora_step(state)
+            ckpt.save(state)
+    return {}
+
+
+@scenario
+def golden_incremental_read(out: Path) -> dict:
+    """The golden incremental run (``tests/golden/multirank-incremental-v4-82a1efe``, format 4, no spares, a copy)
+    restores bitwise, continues
+    and saves three times: the first writes each rank's part afresh and keeps the old one as its spare, the next
+    two link them crosswise; the newest restores bitwise."""
+    global WIDTH
+    width, WIDTH = WIDTH, GOLDEN_WIDTH
+    try:
+        return _golden_read(out)
+    finally:
+        WIDTH = width
+
+
+def _golden_read(out: Path) -> dict:
+    run = out / "run"
+    if dist.get_rank() == 0:
+        shutil.copytree(Path(__file__).resolve().parent / "golden" / "multirank-incremental-v4-82a1efe" / "run", run)
+    dist.barrier()
+    before = _own_parts(run, "gen-000000000003")
+    fresh = lora_state(seed=5)
+    names, parts = [], []
+    with ts.CheckpointManager(run, keep_last=10, collective_timeout_s=TIMEOUT_S) as ckpt:
+        info = ckpt.restore(fresh)
+        restored = same(full_state(fresh), _reference(3))
+        for _ in range(3):
+            lora_step(fresh)
+            names.append(ckpt.save(fresh).name)
+            parts.append(_own_parts(run, names[-1]))
+    continued = same(full_state(fresh), _reference(6))
+    again = lora_state(seed=6)
+    with ts.CheckpointManager(run, collective_timeout_s=TIMEOUT_S) as ckpt:
+        newest = ckpt.restore(again).generation.name
+    return {"restored": info.generation.name, "restored_differs": restored, "continued_differs": continued,
+            "names": names, "before": before, "parts": parts, "newest": newest,
+            "newest_differs": same(full_state(again), full_state(fresh)),
+            "formats": [_manifest(run, n)["format_version"] for n in ["gen-000000000003", *names]]}
 
 
 if __name__ == "__main__":

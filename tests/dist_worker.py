@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -213,8 +213,20 @@ def rule_incremental(out: Path) -> dict:
                                  for n in names]
     result["changing_differs"] = same(full_state(fresh), reference)
 
-    frozen, run = _frozen_base(), out / "frozen"
-    names = []
+    from trainstate.distributed import capture
+
+    hint = capture.frozen_names
+    capture.frozen_names = lambda state: frozenset()  # no requires_grad hint: the part is found at save 2
+    try:
+        result.update(_frozen_run(out / "frozen", metadata))
+    finally:
+        capture.frozen_names = hint
+    result.update({f"hinted_{k}": v for k, v in _frozen_run(out / "hinted", metadata).items()})
+    return result
+
+
+def _frozen_run(run: Path, metadata: Any) -> dict:
+    frozen, names = _frozen_base(), []
     with manager(run, keep_last=10, full_every=8) as ckpt:
         for _ in range(3):
             _sized_steps(frozen, 1, inputs=(4, 1024))
@@ -223,7 +235,7 @@ def rule_incremental(out: Path) -> dict:
     fresh = _frozen_base(seed=9)
     with manager(run, keep_last=10, full_every=8) as ckpt:
         ckpt.restore(fresh)
-    result["frozen_by_rule"] = ["rule" in metadata(run, n) for n in names]
+    result = {"frozen_by_rule": ["rule" in metadata(run, n) for n in names]}
     listed = [json.loads((run / n / "manifest.json").read_bytes()) for n in names]
     result["rank_parts"] = [[r for r in range(dist.get_world_size())
                              if any(f["name"].startswith(f"shard-{r:05d}-part-") for f in m["files"])] for m in listed]

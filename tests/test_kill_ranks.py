@@ -118,8 +118,8 @@ def test_negative_control_a_resume_that_forgets_ends_different(demo, tmp_path, f
 
 @pytest.mark.slow
 def test_an_incremental_multi_rank_run_survives_sigkills_bitwise(tmp_path):
-    """Issue 32: the same drill with ``full_every=3`` and a frozen 4 MiB table (each rank's part linked from save
-    to save, every third generation whole), keep_last=2 pruning after every save: three SIGKILLs of the whole
+    """Issue 32: the same drill with ``full_every=3`` and a frozen 4 MiB table (each rank's part and its spare
+    linked crosswise from save to save, every third generation whole), keep_last=2 pruning after every save: three SIGKILLs of the whole
     launch (one aimed inside a save), every visible generation verified in full after each, bitwise at the end."""
     from trainstate.storage.verify import read_manifest
     from trainstate.storage.local import LocalStore
@@ -131,7 +131,7 @@ def test_an_incremental_multi_rank_run_survives_sigkills_bitwise(tmp_path):
     assert r.verified_after_kills >= 1 and drill.comparison.differences == [], context
     store = LocalStore(tmp_path / "interrupted")
     manifests = [read_manifest(store, name, None, None)[0] for name in store.generations()]
-    assert all(m.format_version == 4 and m.fingerprints for m in manifests), context
+    assert all(m.format_version == 5 and m.fingerprints for m in manifests), context  # each part with a spare
     linked = [m for m in manifests if m.shares]
     assert linked and all(any(f.startswith(("shard-00000-part-", "shard-00001-part-")) for f in m.shares)
                           for m in linked), context

@@ -162,14 +162,19 @@ def test_incremental_saves_go_by_rule_while_each_shard_is_one_file(runs):
 
 @pytest.mark.slow
 def test_a_shard_with_parts_is_listed_and_rank0_keeps_its_own_fingerprints(runs):
-    """Control: a frozen block laid out in a part (second save) and linked (third) names files no rule says:
-    listed. Rank 0 lays its block out in a part like every rank, so it kept its own fingerprints from a
-    generation by rule, whose manifest has none."""
+    """Control: a frozen block laid out in a part (second save, found by its fingerprints when the
+    ``requires_grad`` hint is left out) and linked (third) names files no rule says: listed. Rank 0 lays its block
+    out in a part like every rank, so it kept its own fingerprints from a generation by rule, whose manifest has
+    none. With the hint (the default) the block is laid out at the first save, and each later one links each
+    rank's part and spare."""
     for result in runs["two"].ok("rule_incremental", 2):
         assert result["frozen_by_rule"] == [True, False, False], result
         assert result["rank_parts"] == [[], [0, 1], [0, 1]], result
-        assert result["frozen_shares"][0] == 0 and result["frozen_shares"][2] >= 2, result
+        assert result["frozen_shares"] == [0, 0, 4], result  # save 3 links each rank's part and spare
         assert result["frozen_differs"] == [], result
+        assert result["hinted_frozen_by_rule"] == [False, False, False], result
+        assert result["hinted_rank_parts"] == [[0, 1], [0, 1], [0, 1]], result
+        assert result["hinted_frozen_shares"] == [0, 4, 4] and result["hinted_frozen_differs"] == [], result
 
 
 def test_a_ranks_view_lists_only_the_chunks_its_own_box_meets():

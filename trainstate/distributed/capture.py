@@ -38,6 +38,11 @@ from ..state.snapshot import _type_name, state_json
 from ..state.train_state import TrainState
 from .group import Ranks
 
+try:  # (private in torch since 2.2: how get_model_state_dict names a parameter, wrappers' prefixes removed)
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+except ImportError:  # pragma: no cover - a torch without it loses the layout hint, never a save
+    _get_fqns = None
+
 
 @dataclass
 class RankSnapshot:
@@ -51,6 +56,7 @@ class RankSnapshot:
     rank_tensors: dict[str, torch.Tensor]
     data: dict = field(default_factory=dict)  # this rank's data positions (rank 0's go into the manifest)
     total_bytes: int = 0  # what every rank stages and writes, summed (for rank 0's disk preflight)
+    frozen: frozenset[str] = frozenset()  # DCP names of parameters not requiring gradients (a layout guide)
 
 
 def sharded_bytes(value: Any) -> int:
@@ -315,7 +321,23 @@ def _snapshot(state: TrainState, ranks: Ranks, weights_only: bool, dcp: dict, sh
     data = {} if weights_only else {n: c.data_position() for n, c in positions.items()}
     state_json(global_skeleton)  # refuses now what JSON cannot carry
     return RankSnapshot(dcp, sharded, global_skeleton, global_table.tensors, rank_skeleton, rank_table.tensors, data,
-                        decision["bytes"])
+                        decision["bytes"], frozen_names(state))
+
+
+def frozen_names(state: TrainState) -> frozenset[str]:
+    """The DCP names (``<module>.<parameter>``, as DCP flattens the state dict) of the registered modules'
+    parameters that do not require gradients: a frozen base's. A guide for the first layout of an incremental
+    shard (:class:`.increments.ShardPlan`), never proof that their bytes stay the same."""
+    out: set[str] = set()
+    if _get_fqns is None:
+        return frozenset()
+    for name, module in state.modules().items():
+        for parameter, value in module.named_parameters():
+            if value.requires_grad:
+                continue
+            fqns = {parameter} if name in state.own_keys else _get_fqns(module, parameter)
+            out.update(f"{name}.{fqn}" for fqn in fqns)
+    return frozenset(out)
 
 
 def _check_agreement(reports: list[dict]) -> None:

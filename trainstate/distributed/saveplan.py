@@ -330,7 +330,7 @@ def describe(plan: SavePlan, results: list[WriteResult], rank_files: list[FileRe
         data = result.storage_data
         if "record" in data:
             extra[data["file"]] = {k: (list(v) if k == "record" else v) for k, v in data.items()
-                                   if k in ("record", "prints", "share")}
+                                   if k in ("record", "prints", "share", "spare")}
     return {"items": items, "files": files, "extra": extra, "rank_files": [list(dataclasses.astuple(f))
                                                                          for f in rank_files]}
 
@@ -360,13 +360,20 @@ def finish(writer: Writer, pieces: list[dict]) -> None:
                 held.chunks.append(ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1])))
             data = {"file": name, "entry": entry}
             if name in extra:
-                data.update({k: (_record(v) if k == "record" else v) for k, v in extra.pop(name).items()})
+                data.update({k: _records(k, v) for k, v in extra.pop(name).items()})
             index = MetadataIndex(fqn, torch.Size(offset) if offset is not None else None)
             mine.append(WriteResult(index=index, size_in_bytes=0, storage_data=data))
         results.append(mine)
         writer.plan_files[rank] = [FileRecord(*_record(f)) for f in piece["rank_files"]]
     covered(state)
     writer.finish(Metadata(state_dict_metadata=state, planner_data=planner_data), results)
+
+
+def _records(key: str, value: Any) -> Any:
+    """A file's extra as it crossed in JSON, its records (its own, its spare's) back as tuples."""
+    if key == "record":
+        return _record(value)
+    return {**value, "record": _record(value["record"])} if key == "spare" else value
 
 
 def _record(fields: list) -> tuple:

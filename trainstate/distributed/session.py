@@ -166,7 +166,7 @@ class Session:
         ranks = self.bg if background else self.fg
         if self.increments is not None and pending.kind == "full":
             store = self.tier.own if self.tier is not None else manager.store
-            pending.increment = self.increments.begin(store, manager.key, pending.parent)
+            pending.increment = self.increments.begin(store, manager.key, pending.parent, pending.snap.frozen)
         if self.tier is not None:
             info = self._publish_tiered(manager, pending, ranks, background)
         else:

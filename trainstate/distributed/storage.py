@@ -58,7 +58,7 @@ from ..format.shardrule import shard_file, small_file
 from ..lifecycle.incremental import manifest_fields
 from ..storage import chunked
 from .group import paused_gc
-from .increments import ShardPlan
+from .increments import ShardPlan, carried, collect, own_files
 
 DCP_METADATA = "dcp-metadata.json"
 _FORMAT = "trainstate-dcp-metadata"
@@ -286,12 +286,9 @@ class Writer(StorageWriter):
         extra: dict[str, dict] = {}  # by file: the record, and with full_every its items' fingerprints and share
         if self.increment is not None:  # the shard by what changes: unchanged parts linked from the parent
             records, fields = self.increment.write(self.staging, self.rank, files.pop(shard_file(self.rank)))
-            prints, shares = fields.get("fingerprints", {}), fields.get("shares", {})
-            moved = {n: file for file, items in prints.items() for n in items}
+            moved = {n: file for file, items in fields.get("fingerprints", {}).items() for n in items}
             placed = [(i, n, t, moved.get(n, f)) for i, n, t, f in placed]
-            for record in records:
-                extra[record.name] = {"record": dataclasses.astuple(record), "share": shares.get(record.name),
-                                      "prints": prints[record.name]}
+            extra = carried(records, fields)
         for file, tensors in files.items():
             if not tensors:
                 continue
@@ -300,7 +297,7 @@ class Writer(StorageWriter):
             # background save writes from its own copy)
             record = self.staging.write(file, tensorfile.chunks(layout, tensors), stable=True, size_hint=layout.size)
             extra[file] = {"record": dataclasses.astuple(record)}
-        self.own = {file: dict(fields) for file, fields in extra.items()}
+        self.own = own_files(extra)
         results = []
         for item, name, tensor, file in placed:  # the first result of each file carries what is known of it
             results.append(WriteResult(index=item.index, size_in_bytes=tensor.nbytes,
@@ -315,14 +312,9 @@ class Writer(StorageWriter):
             for result in rank_results:
                 data = result.storage_data
                 storage[result.index] = {"file": data["file"], "entry": data["entry"]}
-                if "record" in data:
-                    shards.append(FileRecord(*data["record"]))
-                if "prints" in data:
-                    prints[data["file"]] = data["prints"]
-                if data.get("share"):
-                    shares[data["file"]] = data["share"]
+                collect(data, shards, prints, shares)
         metadata.storage_data = storage
-        self.finish_data(metadata_to_json(metadata), shards, manifest_fields(prints, shares))
+        self.finish_data(metadata_to_json(metadata), shards, manifest_fields(prints, shares, [r.name for r in shards]))
         # DCP broadcasts what finish was given to every rank once it returns: every rank's chunk of every item,
         # O(N) bytes per rank (hundreds of MB at thousands of ranks) that no rank reads. It is written: drop it.
         metadata.state_dict_metadata, metadata.storage_data, metadata.planner_data = {}, None, None

@@ -9,9 +9,9 @@ on the writer thread after its replicas (collective, on the background group):
    (an upload of a generation the remote already holds is only verified);
 2. every rank uploads its own files from its node's holding, digested as
    they are sent and compared with the manifest; rank 0 also the global files
-   (with ``full_every``, a part the remote already holds under the same digest,
-   in the parent, the generation that wrote it or the remote's latest, is a
-   server-side copy instead: nothing is sent);
+   (incremental: a part the remote already holds under the same digest, in
+   the parent, the generation that wrote it or the remote's latest, is a
+   reference to that object instead: nothing is sent or stored again);
 3. rank 0 writes the manifest and the commit record (create-only), verifies
    the remote copy's file set and sizes, moves the remote ``latest`` (a
    compare-and-swap, never backwards) and prunes the remote under
@@ -122,7 +122,7 @@ def _send(name: str, manifest: Any, ranks: Ranks, tier: Tier, remote: Remote, st
         for file in files:
             if file in manifest.shares and link_held(remote.store, staging, manifest, manifest.file(file),
                                                       remote.key, newest):
-                continue  # full_every: the remote holds these bytes already; copied there by the server
+                continue  # incremental: the remote holds these bytes already; referenced
             with _local(tier, name, file).open(name, file) as stream:
                 _write_checked(staging, manifest, file, iter(lambda: stream.read(BLOCK), b""))
     except (TrainStateError, OSError, ValueError) as exc:

@@ -40,7 +40,10 @@ shard is durable on its own node and the local tier's commit holds.
 ``wait_replicas=True``): each rank sends its files, point to point, as one
 stream, to the leader of every node that keeps a replica of its node (:func:`.tiers.placement`);
 the receiver writes them into a staging directory of its ``replicas`` store,
-digesting as it writes and comparing with the manifest, then commits. Once
+digesting as it writes and comparing with the manifest, then commits (a file
+the generation links from an earlier one, the receiver links from its
+replica of the parent when it holds the same bytes intact, and is not sent:
+:func:`_transfer`). Once
 every node has committed its replicas, every leader moves ``replicas/latest``:
 the generation now survives the loss of any one failure domain. Pruning runs
 after it (:func:`prune`).
@@ -60,10 +63,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CorruptGeneration, TrainStateError
+from ..format import sharing
 from ..format.digest import digest_bytes
 from ..format.manifest import MANIFEST, POINTER, Manifest, Pointer, parse_manifest
 from ..publish import Pending
 from ..records import GenerationInfo
+from ..lifecycle.incremental import intact
 from ..revisions import log_same, same_files
 from ..storage.verify import Verified, read_manifest
 from . import saveplan
@@ -284,7 +289,7 @@ def replicate(name: str, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: A
         except (TrainStateError, OSError) as exc:
             error = exc  # still receives every byte (so no sender waits), writes nothing, reports it below
     try:
-        error = _transfer(manifest, ranks, tier, targets, staging, error)
+        error = _transfer(manifest, ranks, tier, targets, staging, error, key)
         if staging is not None and error is None:
             try:
                 staging.write(MANIFEST, [manifest_bytes], stable=True)
@@ -303,19 +308,35 @@ def replicate(name: str, manifest_bytes: bytes, ranks: Ranks, tier: Tier, key: A
 
 
 def _transfer(manifest: Manifest, ranks: Ranks, tier: Tier, targets: list[list[int]], staging: Any,
-              error: BaseException | None) -> Any:
+              error: BaseException | None, key: Any = None) -> Any:
     """Every (rank, target node) pair in one global order, point to point, a rank's files as one stream of
     pieces: no rank ever waits on a pair that its partner has not reached (the earliest unfinished pair has
-    both ends ready), so the order cannot deadlock. Returns the first error on this rank (or ``error``)."""
+    both ends ready), so the order cannot deadlock. Returns the first error on this rank (or ``error``).
+
+    Where the manifest says some of a rank's files are linked (``full_every``: bytes an earlier generation
+    wrote), the receiver first links those its replica of the parent holds intact (:func:`_link_held`) and
+    tells the sender, in one message of a byte per such file, which it still needs: a replica carries what
+    its holder lacks, and an unchanged part crosses the network once."""
     topo = tier.topology
+    parent: list = []  # the receiver's replica of the parent, read once (:func:`_replica_parent`)
     for source, nodes in enumerate(targets):
         for target in nodes:
             receiver = topo.leader(target)
             for rank in topo.ranks_on(source):
                 files = rank_files(manifest, rank) if rank < len(manifest.ranks) else []
+                shared = [f for f in files if f in manifest.shares]
                 if topo.rank == rank:
+                    if shared:
+                        needed = _asked(len(shared), receiver, ranks)
+                        files = [f for f in files if f not in shared or needed[shared.index(f)]]
                     error = _send(tier.own, manifest, files, receiver, ranks) or error
                 elif topo.rank == receiver:
+                    if shared:
+                        if not parent:
+                            parent.append(_replica_parent(tier, manifest, key) if staging is not None else None)
+                        held = _link_held(staging, tier, parent[0], manifest, shared) if error is None else set()
+                        _ask([f not in held for f in shared], rank, ranks)
+                        files = [f for f in files if f not in held]
                     stream = _Stream(_receive(sum(manifest.file(f).size for f in files), rank, ranks))
                     for file in files if error is None else ():
                         try:
@@ -325,6 +346,51 @@ def _transfer(manifest: Manifest, ranks: Ranks, tier: Tier, targets: list[list[i
                             break
                     stream.drain()  # the sender sends every piece: take them, or the order breaks
     return error
+
+
+def _replica_parent(tier: Tier, manifest: Manifest, key: Any) -> Manifest | None:
+    """This node's replica holding of ``manifest``'s parent (``None`` when it holds none, or one unreadable)."""
+    if manifest.parent is None or manifest.parent not in tier.replica.generations():
+        return None
+    try:
+        with tier.replica.open(manifest.parent, MANIFEST) as stream:
+            return read_manifest_bytes(stream.read(), manifest.parent, key)
+    except (TrainStateError, OSError) as exc:
+        log.info("replicating every byte: this node's replica of %s cannot be read (%s)", manifest.parent, exc)
+        return None
+
+
+def _link_held(staging: Any, tier: Tier, parent: Manifest | None, manifest: Manifest, shared: list[str]) -> set[str]:
+    """Of ``shared`` (files ``manifest`` links from an earlier generation), those linked into ``staging`` from this
+    node's replica of ``parent``: a file of it whose bytes were first written where this one's were, recorded
+    alike, and proven intact by its bytes (:func:`.incremental.intact`): a damaged replica is not passed on."""
+    if parent is None or staging is None:
+        return set()
+    where = {sharing.origin(parent.generation, parent.shares, f.name): f for f in parent.files}
+    held = set()
+    for file in shared:
+        record = manifest.file(file)
+        source = where.get(sharing.origin(manifest.generation, manifest.shares, file))
+        if source is None or (source.size, source.digest, tuple(source.chunks)) != (
+                record.size, record.digest, tuple(record.chunks)) or not intact(tier.replica, parent, source.name):
+            continue
+        if staging.link(file, parent.generation, source) is not None:
+            held.add(file)
+    return held
+
+
+def _ask(needed: list[bool], sender: int, ranks: Ranks) -> None:
+    """Tell ``sender`` which of its linked files this receiver needs (a byte each)."""
+    with collective("replicate", ranks):
+        dist.send(torch.tensor(needed, dtype=torch.uint8), dst=_global_rank(ranks.group, sender), group=ranks.group)
+
+
+def _asked(count: int, receiver: int, ranks: Ranks) -> list[bool]:
+    """Which of this rank's ``count`` linked files ``receiver`` needs (:func:`_ask`)."""
+    flags = torch.empty(count, dtype=torch.uint8)
+    with collective("replicate", ranks):
+        dist.recv(flags, src=_global_rank(ranks.group, receiver), group=ranks.group)
+    return [bool(f) for f in flags.tolist()]
 
 
 def _pieces(size: int) -> list[int]:

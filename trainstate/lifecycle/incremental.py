@@ -58,7 +58,6 @@ from ..storage.verify import read_manifest
 log = logging.getLogger("trainstate")
 DEFAULT_FULL_EVERY = 0  # incremental by default, each part kept in two copies; no generation forced whole
 PROBE_EVERY = 8  # with full_every=0: every tensor fingerprinted at the first save of a process, then every 8th
-SHARDS_FULL_EVERY = 8  # a multi-rank shard's parts are kept in one copy: every 8th generation links nothing
 
 
 def check_full_every(full_every: int | None) -> int | None:

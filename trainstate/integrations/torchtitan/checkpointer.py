@@ -50,8 +50,8 @@ class TrainStateCheckpointer(BaseCheckpointManager):
         """After each commit, re-read the generation: ``fast`` checks sizes and the manifest, ``full`` every byte."""
 
         full_every: int | None = incremental.DEFAULT_FULL_EVERY
-        """Incremental generations: unchanged parts are linked. 0: each rank's parts in one copy, every 8th
-        generation whole; N: every N-th whole; ``None``: every generation is whole."""
+        """Incremental generations: unchanged parts are linked. 0: each rank's parts in two copies linked
+        crosswise, no generation forced whole; N: every N-th whole; ``None``: every generation is whole."""
 
         replicas: int | None = None
         """Node-local tiers: each node's files live on this many nodes (``folder`` is then node-local)."""
