@@ -72,3 +72,21 @@ def test_cuda_device_count_change_is_refused_unless_statistical(tmp_path, monkey
         assert torch.equal(live["model"].weight, before)  # refused before anything was loaded
         info = ckpt.restore(live, rng_statistical_cuda=True)
     assert not info.identical_continuation and "statistically" in info.warnings[0]
+
+
+def test_a_generator_state_that_is_a_view_into_a_larger_buffer_restores_exactly():
+    """torch's set_state reads a byte tensor's storage from its start: a state handed over as a view into a larger
+    buffer (a heal's received body) is given a storage of its own first (the raw view crashed the process)."""
+    from trainstate.state import rng as rng_mod
+
+    g = torch.Generator().manual_seed(7)
+    torch.randn(3, generator=g)
+    state = g.get_state()
+    buffer = torch.cat([torch.zeros(64, dtype=torch.uint8), state])
+    view = buffer[64:]
+    want = torch.Generator().manual_seed(0)
+    want.set_state(state)
+    restored = torch.Generator()
+    restored.set_state(rng_mod._own(view))
+    assert torch.equal(torch.randn(5, generator=restored), torch.randn(5, generator=want))
+    assert view.storage_offset() == 64 and rng_mod._own(state) is state

@@ -160,9 +160,9 @@ def apply_validated(saved: Mapping[str, Any], named: Mapping[str, Generator], *,
     if "python" in saved and restore_globals:
         random.setstate(saved["python"])
         np.random.set_state(saved["numpy_global"])
-        torch.set_rng_state(saved["torch_cpu"])
+        torch.set_rng_state(_own(saved["torch_cpu"]))
         if saved["torch_cuda"] and restore_cuda and len(saved["torch_cuda"]) == _live_cuda_count():
-            torch.cuda.set_rng_state_all(saved["torch_cuda"])
+            torch.cuda.set_rng_state_all([_own(t) for t in saved["torch_cuda"]])
 
 
 def _check_cuda(saved: Mapping[str, Any], statistical_cuda: bool) -> list[str]:
@@ -257,7 +257,7 @@ def _dry_run(saved: Mapping[str, Any], named: Mapping[str, Generator]) -> None:
         if "python" in saved:
             random.Random().setstate(saved["python"])
             np.random.RandomState().set_state(saved["numpy_global"])
-            torch.Generator().set_state(saved["torch_cpu"])
+            torch.Generator().set_state(_own(saved["torch_cpu"]))
             for state in saved["torch_cuda"]:
                 if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
                     raise TypeError("CUDA RNG state must be a uint8 tensor")
@@ -277,6 +277,12 @@ def _restore_one(rng: Generator, record: dict) -> None:
     elif kind == "numpy.RandomState":
         rng.set_state(record["state"])
     elif kind == "torch.Generator":
-        rng.set_state(record["state"])
+        rng.set_state(_own(record["state"]))
     else:
         rng.setstate(record["state"])
+
+
+def _own(state: torch.Tensor) -> torch.Tensor:
+    """``state`` with a storage of its own: torch's ``set_state`` reads a byte tensor's storage from its start, so a
+    view into a larger buffer (a heal's received body) would hand it the wrong bytes."""
+    return state if state.storage_offset() == 0 and state.is_contiguous() else state.clone()
