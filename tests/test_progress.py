@@ -62,31 +62,40 @@ def _gen_bytes(store, name: str) -> int:
     return sum(f.size for f in read_manifest(store, name, None, None)[0].files)
 
 
-def test_no_bar_when_stderr_is_not_a_terminal_and_json_stays_clean(run, tmp_path):
+def _in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """The command run by ``cli.main`` in this process: its stderr is captured, so not a terminal, as a pipe is."""
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_no_bar_when_stderr_is_not_a_terminal_and_json_stays_clean(run, tmp_path, capsys):
+    # the whole process once (a pipe as stderr), then the other commands in this process
     verify = _cli("verify", str(run), "--json")
     assert verify.returncode == 0, verify.stderr
     assert json.loads(verify.stdout)["failures"] == []
-    exported = _cli("export", str(run), str(tmp_path / "out"), "--json")
-    assert exported.returncode == 0, exported.stderr
-    assert json.loads(exported.stdout)["generation"] == G2
-    compared = _cli("diff", f"{run}@1", f"{run}@2", "--json")
-    assert compared.returncode == 1, compared.stderr  # different generations
-    json.loads(compared.stdout)
-    for done in (verify, exported, compared):
-        assert not any(mark.encode() in done.stderr for mark in BAR_MARKS), done.stderr[-500:]
-        assert not any(mark.encode() in done.stdout for mark in ("\r", "B/s")), "a bar reached stdout"
+    done = [(verify.returncode, verify.stdout.decode(), verify.stderr.decode())]
+    done.append(_in_process(capsys, "export", str(run), str(tmp_path / "out"), "--json"))
+    assert done[-1][0] == 0, done[-1][2]
+    assert json.loads(done[-1][1])["generation"] == G2
+    done.append(_in_process(capsys, "diff", f"{run}@1", f"{run}@2", "--json"))
+    assert done[-1][0] == 1, done[-1][2]  # different generations
+    json.loads(done[-1][1])
+    for _, out, err in done:
+        assert not any(mark in err for mark in BAR_MARKS), err[-500:]
+        assert not any(mark in out for mark in ("\r", "B/s")), "a bar reached stdout"
 
 
-def test_progress_forced_shows_tqdm_on_stderr_only(run, tmp_path):
+def test_progress_forced_shows_tqdm_on_stderr_only(run, tmp_path, capsys):
     for argv in (("verify", str(run)), ("export", str(run), str(tmp_path / "out")),
                  ("diff", f"{run}@1", f"{run}@2")):
-        done = _cli(*argv, "--json", "--progress")
-        assert done.returncode in (0, 1), done.stderr
-        assert b"B/s" in done.stderr and argv[0].encode() in done.stderr, (argv, done.stderr[-500:])
-        json.loads(done.stdout)  # the bar never reaches stdout
+        code, out, err = _in_process(capsys, *argv, "--json", "--progress")
+        assert code in (0, 1), err
+        assert "B/s" in err and argv[0] in err, (argv, err[-500:])
+        json.loads(out)  # the bar never reaches stdout
     # the negative control: --no-progress silences it even when forced elsewhere
-    quiet = _cli("verify", str(run), "--no-progress")
-    assert quiet.returncode == 0 and b"B/s" not in quiet.stderr
+    code, _, err = _in_process(capsys, "verify", str(run), "--no-progress")
+    assert code == 0 and "B/s" not in err
 
 
 def test_bar_is_on_by_default_when_stderr_is_a_terminal(run):

@@ -1,11 +1,12 @@
 """Live recovery with the real torchft (issue 52): a replacement replica group heals from a live peer, verified.
 
-A Lighthouse (``torchft_lighthouse``, on 127.0.0.1) and two replica groups, each under its own ``torchrun`` (one
-gloo rank; ``tests/torchft_worker.py``), training the same model on the same data, gradients averaged over the
-participating groups, the quorum synchronous. Group 1 is SIGKILLed mid-training (its whole process group) and
-restarted: it heals from group 0 through :class:`trainstate.integrations.torchft.Healing`, and from the step it
-joins its digest (parameters, AdamW moments, every generator, the loader's position, the scheduler, the clocks)
-equals group 0's at every step. One restarted group receives a stream with a flipped bit, another a truncated
+A Lighthouse (``torchft_lighthouse``, on 127.0.0.1) and two replica groups, each under its own ``torchrun`` (two
+gloo ranks, the first layer sharded across them by FSDP2 and the last replicated; ``tests/torchft_worker.py``),
+training the same model on the same data, gradients averaged over the participating groups, the quorum
+synchronous. Group 1 is SIGKILLed mid-training (its whole launch) and restarted: each of its ranks heals from the
+same rank of group 0 through :class:`trainstate.integrations.torchft.Healing` (local shards and replicated
+tensors), and from the step it joins each rank's digest (parameters, AdamW moments, every generator, the loader's
+position, the scheduler, the clocks) equals that rank of group 0 at every step. One restarted group receives a stream with a flipped bit, another a truncated
 one: each is refused (the heal is retried at the next quorum and succeeds). The control: torchft's stock
 ``HTTPTransport`` handed the same flipped bit loads it, and the healed group differs from the survivor.
 """
@@ -35,6 +36,7 @@ from ftstock import loopback_http  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).resolve().parent / "torchft_worker.py"
+NPROC = 2  # ranks in each replica group
 _URLOPEN = urllib.request.urlopen
 
 
@@ -62,7 +64,7 @@ class Job:
         env = {**os.environ, "REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}",
                "TRAINSTATE_TEST_FT": json.dumps({**self.cfg, **cfg}), "GLOO_SOCKET_IFNAME": "lo",
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict([marker.split("=", 1)])}
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1",
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={NPROC}", "--nnodes=1",
                    "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(self.out)]
         log = open(self.out / f"group{group}.log", "ab")
         self.groups[group] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -73,8 +75,8 @@ class Job:
         kill_launch([self.groups[group]], self.markers[group])
         self.groups[group].wait()
 
-    def steps(self, group: int) -> list[dict]:
-        path = self.out / f"group{group}.jsonl"
+    def steps(self, group: int, rank: int = 0) -> list[dict]:
+        path = self.out / f"group{group}-r{rank}.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] \
             if path.exists() else []
 
@@ -130,11 +132,6 @@ class Job:
     def log(self, group: int) -> str:
         return (self.out / f"group{group}.log").read_text(errors="replace")[-6000:]
 
-    def summaries(self, group: int) -> list[dict]:
-        """What each process of ``group`` that finished wrote at its end (heals, streams served and received)."""
-        return [json.loads(p.read_text()) for p in sorted(self.out.glob(f"group{group}-*.json"))
-                if p.stem.split("-")[1].isdigit()]
-
     def stop(self) -> None:
         for group in self.groups:
             self.kill(group)
@@ -166,7 +163,7 @@ def healed(tmp_path_factory):
         job.wait_healed(1, 3)
         job.kill(1)
         job.start(1, slow=1)
-        job.wait_file(f"group1-receiving-{job.groups[1].pid}", any_pid=True)
+        job.wait_file(f"group1-r0-receiving-{job.groups[1].pid}", any_pid=True)
         job.kill(1)
         job.start(1, truncate=1)
         job.wait_healed(1, 3)
@@ -179,7 +176,7 @@ def healed(tmp_path_factory):
         job.finish()
     finally:
         job.stop()
-    return job, {g: _by_process(job.steps(g)) for g in (0, 1)}
+    return job, {r: {g: _by_process(job.steps(g, r)) for g in (0, 1)} for r in range(NPROC)}
 
 
 def _by_process(steps: list[dict]) -> list[list[dict]]:
@@ -200,20 +197,21 @@ def _differing(survivor: list[dict], healed: list[dict], joined_after: int) -> l
 
 
 def test_a_killed_group_heals_from_its_peer_and_continues_bitwise(healed):
-    job, runs = healed
-    survivor = runs[0][0]  # group 0's first process, up to the kill of both
-    restarts = runs[1][1:-1]  # group 1's processes after each kill of it alone (the one killed mid-transfer
-    assert len(restarts) == 2, [r[0]["pid"] for r in runs[1]]  # committed nothing)
-    for run in restarts:
-        assert _differing(survivor, run, 5) == [], (run[:3], job.log(1))
-    assert list(job.out.glob("group1-receiving-*")), "the kill mid-transfer did not happen"
+    job, ranks = healed
+    for rank, runs in ranks.items():
+        survivor = runs[0][0]  # group 0's first process of this rank, up to the kill of both
+        restarts = runs[1][1:-1]  # group 1's processes after each kill of it alone (the one killed mid-transfer
+        assert len(restarts) == 2, (rank, [r[0]["pid"] for r in runs[1]])  # committed nothing)
+        for run in restarts:
+            assert _differing(survivor, run, 5) == [], (rank, run[:3], job.log(1))
+    assert list(job.out.glob("group1-r0-receiving-*")), "the kill mid-transfer did not happen"
 
 
 def test_a_damaged_or_cut_stream_is_refused_and_the_heal_retried(healed):
-    job, runs = healed
-    refused = [r["error"] for path in sorted(job.out.glob("group1-refused-*.json"))
+    job, _ = healed
+    refused = [r["error"] for path in sorted(job.out.glob("group1-r*-refused-*.json"))
                for r in json.loads(path.read_text())]
-    assert len(refused) == 2, refused  # one per damaged restart; the heal at the next quorum succeeded (above)
+    assert len(refused) == 2 * NPROC, refused  # one per rank of each damaged restart; the next quorum's heal held
     assert any("differs from what the sender sealed" in e for e in refused), refused
     assert any("cut short" in e for e in refused), refused
 
@@ -221,20 +219,40 @@ def test_a_damaged_or_cut_stream_is_refused_and_the_heal_retried(healed):
 def test_losing_every_group_resumes_from_the_newest_generations_bitwise(healed):
     """Both groups SIGKILLed two updates past a save: each restarts from its newest generation (the manager's
     step restored with it). The first back continues from its generation exactly as the groups did before the
-    kill; the other heals from it (or resumes alike) and equals it at every step."""
-    job, runs = healed
-    before = {r["step"]: r["digest"] for r in runs[0][0]}
-    finals = {g: runs[g][-1] for g in (0, 1)}
-    restored = {g: json.loads((job.out / f"group{g}-restored-{finals[g][0]['pid']}.json").read_text())["step"]
-                for g in (0, 1)}
-    assert all(step % 5 == 0 for step in restored.values()), restored
-    resumed = [g for g, run in finals.items() if run[0]["step"] == restored[g] + 1 and run[0]["healed"] == 0]
-    assert resumed, (restored, {g: run[:2] for g, run in finals.items()})  # from its own generation, no heal
-    overlap = [r for run in finals.values() for r in run if r["step"] in before]
-    assert overlap and all(before[r["step"]] == r["digest"] for r in overlap), overlap
-    common = {r["step"]: r["digest"] for r in finals[0]}
-    assert [r["step"] for r in finals[1] if r["step"] in common and common[r["step"]] != r["digest"]] == []
-    assert len([r for r in finals[1] if r["step"] in common]) >= 5, finals
+    kill; the other heals from it (or resumes alike) and equals it at every step, on every rank."""
+    job, ranks = healed
+    for rank, runs in ranks.items():
+        before = {r["step"]: r["digest"] for r in runs[0][0]}
+        finals = {g: runs[g][-1] for g in (0, 1)}
+        restored = {g: json.loads((job.out / f"group{g}-r{rank}-restored-{finals[g][0]['pid']}.json").read_text())[
+            "step"] for g in (0, 1)}
+        assert all(step % 5 == 0 for step in restored.values()), restored
+        resumed = [g for g, run in finals.items() if run[0]["step"] == restored[g] + 1 and run[0]["healed"] == 0]
+        assert resumed, (restored, {g: run[:2] for g, run in finals.items()})  # from its own generation, no heal
+        overlap = [r for run in finals.values() for r in run if r["step"] in before]
+        assert overlap and all(before[r["step"]] == r["digest"] for r in overlap), overlap
+        common = {r["step"]: r["digest"] for r in finals[0]}
+        assert [r["step"] for r in finals[1] if r["step"] in common and common[r["step"]] != r["digest"]] == []
+        assert len([r for r in finals[1] if r["step"] in common]) >= 5, finals
+
+
+def test_a_healed_group_saves_generations_of_its_own_that_verify(healed, capsys):
+    """After its heal, group 1's ranks go on saving into the group's run (one commit of both ranks, the
+    generation named for the update the heal restored): each verifies, and the one each group saved at the same
+    update holds the same tensors."""
+    from trainstate import cli
+    from trainstate.tools.diff import diff
+
+    job, ranks = healed
+    healed_saves = [r["saved"] for run in ranks[0][1][1:-1] for r in run if r.get("saved")]
+    assert healed_saves, "no healed process of group 1 reached a save"
+    runs = job.out / "runs"
+    for group in (0, 1):
+        assert cli.main(["verify", "--json", str(runs / f"group{group}")]) == 0, capsys.readouterr()
+    common = sorted({p.name for p in (runs / "group0").glob("gen-*")} & {p.name for p in (runs / "group1").glob("gen-*")})
+    assert common, "the groups kept no generation of the same update"
+    report = diff(runs / "group0" / common[-1], runs / "group1" / common[-1])
+    assert report.identical, (report.first, [(c.name, c.entries[:3]) for c in report.categories if c.entries])
 
 
 def _flipping_urlopen(monkeypatch, where):

@@ -116,3 +116,18 @@ def test_the_control_a_pickled_payload_is_not_a_heal_stream():
     torch.save({"user": {"default": {"w": torch.ones(3)}}, "torchft": {"step": 7}}, buffer)
     with pytest.raises(CorruptGeneration, match="not a trainstate heal stream"):
         _receive(buffer.getvalue())
+
+
+def test_a_sealed_body_that_is_not_safetensors_is_refused_after_its_digests_match():
+    """A sender that seals a broken header (its digests match what it sent): the receiver, which reads the header
+    first to give each tensor its own storage, keeps the body whole for the digests and then refuses it."""
+    import dataclasses
+
+    skeleton, tensors = snapshot.capture(_state())
+    good = wire.frame(skeleton, tensors, step=7, torchft={})
+    broken = bytearray(good.layout.header)
+    broken[8] = ord("[")  # the JSON header is no longer an object
+    bad = dataclasses.replace(good, layout=dataclasses.replace(good.layout, header=bytes(broken)))
+    data = b"".join(bytes(p) for p in bad.pieces())
+    with pytest.raises(CorruptGeneration, match="header"):
+        _receive(data)

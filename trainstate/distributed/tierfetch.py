@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..errors import CorruptGeneration, StorageUnavailable, TrainStateError
 from ..format.digest import CHUNK_BYTES
+from ..format import tensorfile
 from ..format.manifest import MANIFEST
 from ..storage.fetched import Fetched
 from .group import Ranks, _global_rank, collective
@@ -79,13 +80,8 @@ class _NodeDisk:
         with store.open(generation, file) as stream:
             for begin, end in spans:
                 stream.seek(begin)
-                view, got = memoryview(bytearray(end - begin)), 0
-                while got < len(view):
-                    n = stream.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                out.append(view[:got])
+                view = memoryview(bytearray(end - begin))
+                out.append(view[:tensorfile.fill(stream, view)])
         return out
 
     def read_pointer(self, name: str) -> bytes | None:

@@ -230,16 +230,22 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
 
 
+def fill(stream: BinaryIO, view: memoryview) -> int:
+    """Read into ``view`` until it is full or ``stream`` ends (``readinto`` returns nothing): the bytes read."""
+    got = 0
+    while got < len(view):
+        n = stream.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 def read_tensor_into(stream: BinaryIO, layout: Layout, entry: Entry, where: str, dest: torch.Tensor) -> torch.Tensor:
     """Read one entry straight into ``dest`` (contiguous, CPU, same dtype and shape): no extra copy."""
     stream.seek(layout.data_start + entry.begin)
-    view = byte_view(dest)
-    got = 0
-    while got < entry.nbytes:
-        n = stream.readinto(view[got:])
-        if not n:
-            raise CorruptGeneration(where, f"file ends inside tensor {entry.name!r:.80}")
-        got += n
+    if fill(stream, byte_view(dest)) < entry.nbytes:
+        raise CorruptGeneration(where, f"file ends inside tensor {entry.name!r:.80}")
     return dest
 
 

@@ -8,6 +8,7 @@ restores RNG last so that nothing constructed or loaded can consume it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,13 +28,16 @@ def _type_name(obj: object) -> str:
 
 
 def capture(state: TrainState, *, kind: str = "full", include_grads: bool = False,
-            unaccounted: dict[str, dict[str, torch.Tensor]] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+            unaccounted: dict[str, dict[str, torch.Tensor]] | None = None,
+            view: Callable[[str, Any], Any] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """The state skeleton (JSON-able) and the tensors it references, by name.
 
     A full generation holds every ``.grad`` with ``include_grads``, and otherwise the
     ``unaccounted`` ones (:meth:`TrainState.unaccounted_gradients`: no registered optimizer
     can tell whether they were consumed, so they are kept rather than dropped).
+    ``view(name, state_dict)``: what of component ``name``'s state dict is encoded (a heal's local shards).
     """
+    view = view or (lambda name, value: value)
     table = TensorTable()
     components = state.modules() if kind == "weights" else state.components
     skeleton: dict[str, Any] = {
@@ -44,7 +48,7 @@ def capture(state: TrainState, *, kind: str = "full", include_grads: bool = Fals
                    "tokens_seen": _count(state.tokens_seen, "tokens_seen")},
         "counters": {_name(k, "counters"): _count(v, f"counters.{k}") for k, v in state.counters.items()},
         "facts": encode(state.facts, "facts", table),  # anything the codec stores exactly (inf, tuples, int keys)
-        "components": {name: {"type": _type_name(c), "state": encode(c.state_dict(), name, table)}
+        "components": {name: {"type": _type_name(c), "state": encode(view(name, c.state_dict()), name, table)}
                        for name, c in components.items()},
         "contract": {"fields": state.contract_fields(), "versions": contract_mod.versions()},
         "history": contract_mod.canonical(state.history, "history"),

@@ -114,12 +114,9 @@ def _advise_sequential(stream: Any) -> None:
 
 
 def _read_full(stream: BinaryIO, view: memoryview, where: str) -> None:
-    got = 0
-    while got < len(view):
-        n = stream.readinto(view[got:])
-        if not n:
-            raise CorruptGeneration(where, f"file ends {len(view) - got} bytes early")
-        got += n
+    got = tensorfile.fill(stream, view)
+    if got < len(view):
+        raise CorruptGeneration(where, f"file ends {len(view) - got} bytes early")
 
 
 def _chunk_span(record: FileRecord, index: int) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from ...state import contract as contract_mod
 from ...state import snapshot
 from ...state.train_state import TrainState
 from ...storage.verify import check_decoded, check_state_schema, decode_state
-from . import wire
+from . import shards, wire
 from .transport import TrainStateTransport
 
 
@@ -103,8 +103,10 @@ class Healing:
         ``zero_grad``, before ``manager.start_quorum()``. The tensors are referenced, not copied (see the module
         docstring); the rest (RNG states, positions, scalars) is encoded now."""
         started = time.perf_counter()
-        skeleton, tensors = snapshot.capture(self.state)
-        self._snapshot, self._at = {"skeleton": skeleton, "tensors": tensors}, self.state.next_update
+        layouts: dict[str, dict] = {}
+        skeleton, tensors = snapshot.capture(self.state, view=lambda name, value: shards.local_view(value, name, layouts))
+        self._snapshot = {"skeleton": skeleton, "tensors": tensors, "shards": layouts}
+        self._at = self.state.next_update
         self.boundaries.append(time.perf_counter() - started)
 
     def state_dict(self) -> dict[str, Any]:
@@ -123,6 +125,14 @@ class Healing:
         check_state_schema(incoming.skeleton, where, "full", incoming.skeleton.get("clocks", {}).get("next_update", 0))
         payload = decode_state(incoming.skeleton, incoming.tensors)
         check_decoded(payload, where)
+        for name, component in self.state.components.items():  # local shards dressed as this rank's DTensors
+            if any(path == name or path.startswith((f"{name}.", f"{name}[")) for path in incoming.shards) or \
+                    shards.sharded(component.state_dict()):
+                entry = payload["components"].get(name)
+                if entry is None:
+                    continue  # (the contract and component checks below name what is missing)
+                live = shards.live_state(component, name, entry["state"], incoming.shards)
+                entry["state"] = shards.redress(entry["state"], live, name, incoming.shards, where)
         contract_mod.check(payload["contract"]["fields"], self.state.contract_fields(), where, ())
         warnings = snapshot.apply(self.state, payload)
         self._snapshot = self._at = None  # the next boundary() takes the healed state

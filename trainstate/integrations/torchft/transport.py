@@ -88,7 +88,7 @@ class TrainStateTransport(CheckpointTransport[dict]):
             raise InvalidType("TrainStateTransport sends what trainstate.integrations.torchft.Healing.state_dict "
                               "returns: register it as the manager's only state_dict")
         outgoing = wire.frame(snapshot["skeleton"], snapshot["tensors"], step=step, user=name,
-                              torchft=dict(state_dict["torchft"]), key=self.key)
+                              torchft=dict(state_dict["torchft"]), key=self.key, shards=snapshot.get("shards"))
         with self._lock:
             self._outgoing, self._step, self._owed = outgoing, step, len(dst_ranks)
             self._lock.notify_all()

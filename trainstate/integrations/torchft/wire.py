@@ -8,16 +8,20 @@ the bytes of one safetensors file. On the wire::
     magic "TSHEAL\\0\\1"
     u64 big-endian length, then the head: canonical JSON
         {"format": "trainstate-heal", "version": 1, "step": N, "torchft": {...},
-         "skeleton": {...}, "size": body bytes, "algorithm": "xxh3-chunked" | "blake3-chunked"}
+         "skeleton": {...}, "shards": {key path: a DTensor's layout, for each local shard sent},
+         "size": body bytes, "algorithm": "xxh3-chunked" | "blake3-chunked"}
     the body: a safetensors file of ``size`` bytes
     u64 big-endian length, then the seal: canonical JSON
         {"head": digest of the head's bytes, "chunks": [one digest per 4 MiB of the body],
          "signature": HMAC-SHA256 of the rest, with the run's key (absent without one)}
 
 The sender digests the body as it sends it (one pass over the tensors); the
-receiver reads it straight into fresh memory and digests it there, and only once
-the seal is read and every digest (and with a key, the signature) matches does
-it parse the head's skeleton and the body's tensors: a flipped bit, a stream
+receiver reads it straight into fresh memory, each tensor into storage of its
+own (the body's safetensors header, bounded, says where each begins; one that
+does not parse leaves the body in one buffer for the digests to judge), and
+digests it there. Only once the seal is read and every digest (and with a
+key, the signature) matches does it decode the head's skeleton and hand the
+tensors out: a flipped bit, a stream
 cut short or anything after the seal raises :class:`~trainstate.errors.CorruptGeneration`,
 and no byte of it reaches a live tensor (that happens later, on the training
 thread, from what :func:`receive` returned). Nothing here calls ``pickle`` or
@@ -38,14 +42,13 @@ import torch
 
 from ...errors import CorruptGeneration, InvalidArgument
 from ...format import strictjson, tensorfile
-from ...format.digest import CHUNK_BYTES, CHUNKED, FAST_CHUNKED, ChunkedHasher, chunk_digest, digest_bytes
+from ...format.digest import CHUNK_BYTES, CHUNKED, FAST_CHUNKED, ChunkedHasher, digest_bytes
 from ...format.signing import SigningKey, canonical, check_signable
 
 MAGIC = b"TSHEAL\x00\x01"
 FORMAT, VERSION = "trainstate-heal", 1
 MAX_HEAD_BYTES = 64 << 20  # a skeleton is metadata: a head larger than this is refused before it is read
 MAX_SEAL_BYTES = 64 << 20
-SMALL_BYTES = 1 << 20  # a received tensor under this is copied out of the body (RNG states, scalars); larger ones are views
 
 
 @dataclass
@@ -81,10 +84,11 @@ class Outgoing:
 
 
 def frame(skeleton: dict, tensors: dict[str, torch.Tensor], *, step: int, torchft: dict, user: str = "default",
-          key: SigningKey | None = None, algorithm: str | None = None) -> Outgoing:
+          key: SigningKey | None = None, algorithm: str | None = None, shards: dict | None = None) -> Outgoing:
     """``skeleton`` and ``tensors`` (:func:`trainstate.state.snapshot.capture`) framed for step ``step``;
     ``torchft``: the manager's own state (``step``, ``batches_committed``); ``user``: the key the manager
-    registered the state's functions under. ``algorithm``: ``xxh3-chunked``
+    registered the state's functions under; ``shards``: the layout of each DTensor whose local shard the
+    skeleton holds (:mod:`.shards`). ``algorithm``: ``xxh3-chunked``
     (corruption) unless a key signs, which needs ``blake3-chunked`` (authentication)."""
     algorithm = algorithm or (CHUNKED if key is not None else FAST_CHUNKED)
     if algorithm not in (CHUNKED, FAST_CHUNKED):
@@ -92,7 +96,8 @@ def frame(skeleton: dict, tensors: dict[str, torch.Tensor], *, step: int, torchf
     check_signable(algorithm, key)
     layout = tensorfile.plan(tensors)
     head = canonical({"format": FORMAT, "version": VERSION, "step": int(step), "torchft": torchft, "user": user,
-                      "skeleton": skeleton, "size": layout.size, "algorithm": algorithm})
+                      "skeleton": skeleton, "shards": shards or {}, "size": layout.size,
+                      "algorithm": algorithm})
     return Outgoing(head, layout, tensors, algorithm, key)
 
 
@@ -105,11 +110,12 @@ class Incoming:
     user: str
     skeleton: dict
     tensors: dict[str, torch.Tensor]
+    shards: dict
 
 
 def receive(stream: Any, *, step: int, key: SigningKey | None, where: str) -> Incoming:
     """Read one stream from ``stream`` (``read(n)``, fewer bytes only at its end, and ``readinto``), verify all of
-    it, then decode it: the tensors are views of the verified body, fresh memory nothing else holds.
+    it, then decode it: the tensors are the verified bytes, in fresh storage nothing else holds.
 
     Refused (:class:`CorruptGeneration` naming ``where``): another magic or version, a head or seal over its
     bound, a stream cut short or with bytes after the seal, a head or chunk digest that does not match, a
@@ -125,15 +131,7 @@ def receive(stream: Any, *, step: int, key: SigningKey | None, where: str) -> In
         raise CorruptGeneration(where, f"its head does not parse ({exc}); refusing it") from None
     if algorithm not in (CHUNKED, FAST_CHUNKED) or size < 0:
         raise CorruptGeneration(where, f"its head names algorithm {algorithm!r} and size {size}")
-    body = torch.empty(size, dtype=torch.uint8)  # fresh memory: nothing here is live until the training thread applies it
-    view = memoryview(body.numpy())
-    with ThreadPoolExecutor(1, thread_name_prefix="trainstate-heal-digest") as digester:  # beside the socket
-        pending = []
-        for start in range(0, size, CHUNK_BYTES):
-            piece = view[start:min(start + CHUNK_BYTES, size)]
-            _fill(stream, piece, where)
-            pending.append(digester.submit(chunk_digest, piece, algorithm))
-        digests = [done.result() for done in pending]
+    layout, buffers, digests = _read_body(stream, size, algorithm, where)
     seal_bytes = _exact(read, _length(read, MAX_SEAL_BYTES, where, "seal"), where)
     if read(1):
         raise CorruptGeneration(where, "has bytes after its seal; refusing it")
@@ -158,12 +156,14 @@ def receive(stream: Any, *, step: int, key: SigningKey | None, where: str) -> In
     if claimed.get("step") != step:
         raise CorruptGeneration(where, f"holds step {claimed.get('step')}, not the step {step} the quorum named")
     if type(claimed.get("skeleton")) is not dict or type(claimed.get("torchft")) is not dict or type(
-            claimed.get("user")) is not str:
-        raise CorruptGeneration(where, "its head lacks the skeleton, torchft's state or the user key")
-    header = int.from_bytes(view[:8], "little") if size >= 8 else 0
-    layout = tensorfile.parse_header(io.BytesIO(view[:8 + min(header, tensorfile.MAX_HEADER_BYTES)]), size, where)
-    tensors = {e.name: _tensor(body, layout.data_start + e.begin, e) for e in layout.entries}
-    return Incoming(step, claimed["torchft"], claimed["user"], claimed["skeleton"], tensors)
+            claimed.get("user")) is not str or type(claimed.get("shards")) is not dict:
+        raise CorruptGeneration(where, "its head lacks the skeleton, torchft's state, the user key or the shards")
+    if layout is None:  # the sealed body's header did not parse: the sender's fault, not the link's
+        tensorfile.parse_header(io.BytesIO(b"".join(bytes(b.numpy()) for b in buffers)), size, where)
+        raise CorruptGeneration(where, "its body is not a safetensors file")
+    tensors = {e.name: buf.view(e.dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
+               for e, buf in zip(layout.entries, buffers)}
+    return Incoming(step, claimed["torchft"], claimed["user"], claimed["skeleton"], tensors, claimed["shards"])
 
 
 def _length(read: Callable[[int], bytes], bound: int, where: str, what: str) -> int:
@@ -183,20 +183,45 @@ def _exact(read: Callable[[int], bytes], n: int, where: str) -> bytes:
     return bytes(out)
 
 
-def _fill(stream: Any, view: memoryview, where: str) -> None:
-    filled = 0
-    while filled < len(view):
-        got = stream.readinto(view[filled:])
-        if not got:
-            raise CorruptGeneration(where, f"ended {len(view) - filled} bytes short of its body (cut short in transit)")
-        filled += got
+def _read_body(stream: Any, size: int, algorithm: str, where: str
+               ) -> tuple[tensorfile.Layout | None, list[torch.Tensor], list[str]]:
+    """Read the body's ``size`` bytes, each tensor into fresh storage of its own (allocated as ``torch.load``
+    allocates, so that a heal costs the allocator no more than the stock transport does), digested in order
+    beside the socket: the layout (``None`` when the header does not parse, a damage the digests then name),
+    the buffers in data order, and the chunk digests. Nothing read is decoded until the digests match."""
+    hasher = ChunkedHasher(algorithm)
+    with ThreadPoolExecutor(1, thread_name_prefix="trainstate-heal-digest") as digester:  # beside the socket
+        def take(buffer: torch.Tensor) -> None:
+            view = tensorfile.byte_view(buffer) if buffer.numel() else memoryview(b"")
+            for start in range(0, len(view), CHUNK_BYTES):
+                piece = view[start:start + CHUNK_BYTES]
+                got = tensorfile.fill(stream, piece)
+                if got < len(piece):
+                    raise CorruptGeneration(where, f"ended {size - taken[0] - got} bytes short of its body (cut "
+                                                   "short in transit)")
+                taken[0] += got
+                pending.append(digester.submit(hasher.update, piece))
 
-
-def _tensor(body: torch.Tensor, start: int, entry: tensorfile.Entry) -> torch.Tensor:
-    """The entry's tensor as a view of ``body`` (copied where its offset does not suit its dtype)."""
-    if not entry.nbytes:
-        return torch.empty(entry.shape, dtype=entry.dtype)
-    raw = body[start:start + entry.nbytes]
-    if start % max(1, entry.dtype.itemsize) or entry.nbytes < SMALL_BYTES:  # (a small one gets its own storage)
-        raw = raw.clone()
-    return raw.view(entry.dtype).reshape(entry.shape)
+        pending: list = []
+        taken = [0]
+        prefix = torch.empty(min(8, size), dtype=torch.uint8)
+        take(prefix)
+        length = int.from_bytes(prefix.numpy().tobytes(), "little") if size >= 8 else 0
+        header = torch.empty(min(length, tensorfile.MAX_HEADER_BYTES, max(0, size - 8)), dtype=torch.uint8)
+        take(header)
+        try:
+            layout = tensorfile.parse_header(io.BytesIO(prefix.numpy().tobytes() + header.numpy().tobytes()), size,
+                                             where)
+        except CorruptGeneration:
+            layout = None
+        if layout is None or layout.data_start != taken[0]:
+            layout, buffers = None, [prefix, header, torch.empty(size - taken[0], dtype=torch.uint8)]
+            take(buffers[-1])
+        else:
+            buffers = [torch.empty(e.nbytes, dtype=torch.uint8) for e in layout.entries]
+            for buffer in buffers:
+                take(buffer)
+        for done in pending:
+            done.result()
+    hasher.hexdigest()
+    return layout, buffers, hasher.chunks
