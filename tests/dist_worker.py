@@ -719,7 +719,46 @@ def background(out: Path) -> dict:
         ckpt.restore(fresh)
     return {"latest": latest, "restored_differs": {str(k): v for k, v in restored.items()}, "surfaced": surfaced,
             "preallocated": preallocated, "fsdp_preallocated": fsdp_preallocated, "preallocate_changed": untouched,
-            "fsdp_background_differs": same(full_state(fresh), before)}
+            "fsdp_background_differs": same(full_state(fresh), before),
+            "scalar_background_differs": _scalar_background(out / "scalar")}
+
+
+def _scalar_background(run: Path) -> list[str]:
+    """A 0-d replicated DTensor (a scalar parameter and its AdamW moments) in a background save, changed in place
+    the moment ``save`` returns: the generation must hold the values at the boundary (torch's CPU state dict
+    hands a 0-d DTensor back as the live one, which the writer thread then read after the change)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    def build_scalar() -> ts.TrainState:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model = torch.nn.Module()
+        model.scale = torch.nn.Parameter(distribute_tensor(torch.tensor(2.0), mesh, [Replicate()]))
+        opt = torch.optim.AdamW([model.scale], lr=0.1)
+        (model.scale * 3.0).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return ts.TrainState(model=model, optimizer=opt, capture_global_rngs=False)
+
+    def values(state: ts.TrainState) -> dict[str, torch.Tensor]:
+        out = {"scale": state["model"].scale.to_local().clone()}
+        for name, value in state["optimizer"].state[state["model"].scale].items():
+            out[name] = (value.to_local() if isinstance(value, DTensor) else value).clone()
+        return out
+
+    state = build_scalar()
+    before = values(state)
+    with manager(run) as ckpt:
+        ckpt.save(state, blocking=False)
+        with torch.no_grad():  # the next step, at once: in place, while the writer works
+            state["model"].scale.add_(100.0)
+            for value in state["optimizer"].state[state["model"].scale].values():
+                value.add_(100.0)
+        ckpt.wait()
+    fresh = build_scalar()
+    with manager(run) as ckpt:
+        ckpt.restore(fresh)
+    return same(values(fresh), before)
 
 
 def _install_fault(kind: str) -> None:
@@ -925,6 +964,84 @@ def _gloo_threads() -> int:
         except OSError:  # ended meanwhile
             continue
     return sum(name in ("pt_gloo_runloop", "gloo_tcp_loop") for name in names)
+
+
+@scenario
+def fsdp1_refusal(out: Path) -> dict:
+    """FSDP1 (its state dicts run ``all_gather_object`` on its own group): rank 1 alone holds pending gradients
+    and refuses the save. Every rank must raise at once, not rank 0 waiting inside FSDP's collective for the rank
+    that skipped it (on NCCL, the collective timeout: minutes). Control: with the agreement before FSDP's
+    collectives switched off, rank 0 waits out the FSDP group's timeout (5 s here)."""
+    from datetime import timedelta
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from trainstate.distributed import capture as capture_mod
+
+    results = {}
+    for control in (False, True):
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=5))
+        torch.manual_seed(0)
+        model = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)),
+                                         device_id=torch.device("cpu"), process_group=group)
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        state = ts.TrainState(model=model, optimizer=opt, capture_global_rngs=False)
+        if dist.get_rank() == 1:
+            for p in model.parameters():  # gradients no optimizer step consumed, set without a collective
+                p.grad = torch.ones_like(p)
+        real = capture_mod._gathers_objects
+        if control:
+            capture_mod._gathers_objects = lambda state: False
+        started, raised = time.monotonic(), None
+        try:
+            with manager(out / f"fsdp1-{control}") as ckpt:
+                ckpt.save(state)
+        except Exception as exc:  # noqa: BLE001 - the control's rank 0 raises FSDP's timeout (RuntimeError)
+            raised = type(exc).__name__
+        finally:
+            capture_mod._gathers_objects = real
+        results["control" if control else "agreed"] = {"raised": raised, "seconds": time.monotonic() - started}
+    return results
+
+
+@scenario
+def preemption_agreed(out: Path) -> dict:
+    """SIGTERM reaches rank 1 alone, in the middle of update 4: with ``agreed()`` every rank saves at the same
+    boundary (after update 4) and the generation restores. Control: each rank's own flag, the next step's
+    all-reduce on a group with a 3 s timeout: rank 1 goes into ``save`` while rank 0 waits in the all-reduce,
+    and both fail after the timeouts."""
+    import signal
+    from datetime import timedelta
+
+    def loop(run: Path, agreed: bool, timeout_s: float) -> dict:
+        state = build("ddp", loader=False)
+        reducer = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        saved, started = None, time.monotonic()
+        try:
+            with ts.PreemptionHandler() as preempt, ts.CheckpointManager(run, collective_timeout_s=timeout_s) as ckpt:
+                for i in range(8):
+                    t = torch.ones(1)
+                    dist.all_reduce(t, group=reducer)  # the step's all-reduce
+                    step(state)
+                    if dist.get_rank() == 1 and i == 3:
+                        os.kill(os.getpid(), signal.SIGTERM)  # mid-update: this rank alone
+                    if preempt.agreed() if agreed else preempt.requested:
+                        ckpt.save(state)
+                        saved = state.next_update
+                        break
+            outcome = None
+        except Exception as exc:  # noqa: BLE001 - the control's ranks fail apart
+            outcome = type(exc).__name__
+        return {"saved": saved, "raised": outcome, "seconds": time.monotonic() - started}
+
+    agreed = loop(out / "agreed", True, 60.0)
+    with manager(out / "agreed") as ckpt:
+        info = ckpt.restore(build("ddp", seed=3, loader=False))
+        restored = info.generation.name if info is not None else None
+    return {"agreed": agreed, "restored": restored, "control": loop(out / "control", False, 3.0)}
 
 
 @scenario

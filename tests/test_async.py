@@ -863,3 +863,20 @@ def test_an_unreported_background_failure_is_printed_at_exit(children, behaviour
     assert f"injected EIO in {'fsync' if behaviour == 'fail' else 'mkdir'}" in err, err[-2000:]  # and why
     assert pointer_of(root) is None
     assert check_visible(root, leftovers_allowed=True) == []
+
+
+def test_status_counts_the_staging_buffers_and_close_lets_them_go(tmp_path):
+    """The buffers a background save copies into are reused from save to save; status() says how much host
+    memory they hold (and how much of it is pinned: none on a CPU state), and a closed manager holds none."""
+    state = build(seed=0)
+    ckpt = ts.CheckpointManager(tmp_path, keep_last=2)
+    assert (ckpt.status().staging_bytes, ckpt.status().staging_pinned_bytes) == (0, 0)
+    step(state)
+    ckpt.save(state, blocking=False)
+    ckpt.wait()
+    held = ckpt.status().staging_bytes
+    tensors = sum(t.nbytes for t in full_state(state).values() if isinstance(t, torch.Tensor))
+    assert held >= tensors // 2 and ckpt.status().staging_pinned_bytes == 0, (held, tensors)
+    writer = ckpt._writer
+    ckpt.close()
+    assert writer.held() == (0, 0)  # the control is the held > 0 above: the same writer, before close

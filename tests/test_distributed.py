@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 MAIN = ["roundtrip_save_ddp", "roundtrip_save_fsdp", "exact_resume", "bit_flip", "missing_file", "no_pickle", "replica_divergence",
         "existing_generation", "raised_faults", "background", "one_rank_refuses", "one_rank_refuses_control",
-        "collectives", "groups_released"]
+        "collectives", "groups_released", "preemption_agreed", "fsdp1_refusal"]
 FAULTS = ["kill_rank1_write", "kill_rank0_rename", "hang_rank1_write"]
 
 
@@ -77,6 +77,23 @@ def test_close_destroys_the_managers_groups_with_or_without_an_exception(runs):
         assert result["counts"] == [0, 0, 0, 0] and result["control"] == 2, result
         assert result["threads"] == [0, 0, 0] and result["control_threads"], result  # joined, not just unnamed
         assert "CheckpointManager is closed" in result["closed"], result
+
+
+def test_a_rank_that_refuses_before_fsdp1s_collectives_ends_every_rank_at_once(runs):
+    """Rank 1's pending gradients under FSDP1: every rank raises within a second or two (rank 1 its own
+    PendingGradients, rank 0 CheckpointFailed naming it); the control waits out FSDP's group timeout."""
+    results = runs["two"].ok("fsdp1_refusal")
+    assert [r["agreed"]["raised"] for r in results] == ["CheckpointFailed", "PendingGradients"], results
+    assert all(r["agreed"]["seconds"] < 3.0 for r in results), results
+    assert max(r["control"]["seconds"] for r in results) > 4.5, results  # the hang the agreement prevents
+
+
+def test_a_preemption_signal_on_one_rank_saves_on_every_rank_at_the_same_boundary(runs):
+    results = runs["two"].ok("preemption_agreed")
+    assert [r["agreed"]["saved"] for r in results] == [4, 4] and not any(r["agreed"]["raised"] for r in results)
+    assert all(r["restored"] == "gen-000000000004" for r in results), results
+    control = [r["control"] for r in results]  # each rank's own flag: the ranks split and fail on timeouts
+    assert control[1]["saved"] is None and all(c["raised"] for c in control), control
 
 
 # 2. exact resume, with a negative control -------------------------------------------------------------------------
@@ -221,8 +238,9 @@ def test_background_saves_on_the_dedicated_group_while_ddp_trains(runs):
 def test_preallocate_fills_every_ranks_buffers_without_touching_the_live_state(runs):
     for result in runs["two"].ok("background"):
         assert result["preallocated"] > 0 and result["fsdp_preallocated"] > 0, result
-        assert result["preallocate_changed"] == [], result  # 0-d DTensors are the live ones: never zeroed
+        assert result["preallocate_changed"] == [], result  # the buffers are owned copies, 0-d DTensors too
         assert result["fsdp_background_differs"] == [], result  # saved from the preallocated buffers, bitwise
+        assert result["scalar_background_differs"] == [], result  # a 0-d DTensor copied, not the live one
 
 
 @pytest.mark.parametrize("where", ["save", "wait", "close"])

@@ -60,6 +60,8 @@ def test_cuda_device_count_change_is_refused_unless_statistical(tmp_path, monkey
     """No GPU here: pretend the saving machine had two devices by patching what torch.cuda reports."""
     state = ts.TrainState(model=torch.nn.Linear(2, 2))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(16, dtype=torch.uint8)] * 2)
     with ts.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(state)
@@ -72,6 +74,50 @@ def test_cuda_device_count_change_is_refused_unless_statistical(tmp_path, monkey
         assert torch.equal(live["model"].weight, before)  # refused before anything was loaded
         info = ckpt.restore(live, rng_statistical_cuda=True)
     assert not info.identical_continuation and "statistically" in info.warnings[0]
+
+
+def test_a_process_that_never_initialized_cuda_saves_no_cuda_stream(monkeypatch):
+    """On a GPU host, a job that never touched the GPU: the save creates no CUDA context and records no stream,
+    so the generation restores on a machine without a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("asked for the CUDA streams"))
+    saved = rng.capture({})
+    assert saved["torch_cuda"] == [] and saved["torch_cuda_current"] is None
+
+
+@pytest.mark.parametrize("saved, live, plan, warns", [
+    # (count, the saving process's device) -> (count, this process's device)
+    ((8, 3), (1, 0), {0: 3}, False),      # eight visible at save, one per task at restore: rank 3's own stream
+    ((8, 3), (8, 5), {**{i: i for i in range(8)}, 5: 3}, False),  # another rank-to-device mapping
+    ((8, 3), (8, 3), {i: i for i in range(8)}, False),  # the same devices: every stream by index
+    ((1, 0), (4, 2), {2: 0}, True),       # more devices here: this process's gets the stream, the others none
+    ((2, None), (2, 0), {0: 0, 1: 1}, False),  # a record from before the device was kept: by index
+])
+def test_cuda_streams_are_restored_by_role_onto_the_device_this_process_draws_on(saved, live, plan, warns):
+    got, warnings, refusal = rng.cuda_plan(*saved, *live)
+    assert (got, bool(warnings), refusal) == (plan, warns, None)
+
+
+@pytest.mark.parametrize("saved, live", [((2, 0), (0, None)), ((2, None), (1, 0))])
+def test_cuda_streams_with_no_device_to_go_to_are_refused(saved, live):
+    """No CUDA here, or an old record (by index only) and another device count: no exact continuation."""
+    _, _, refusal = rng.cuda_plan(*saved, *live)
+    assert refusal and "CUDA device" in refusal
+
+
+def test_a_cuda_generator_restores_onto_another_index_of_the_same_type():
+    """A registered generator's record names its device; only the type must match (a CUDA generator's state is
+    a seed and an offset, the same on any index). Recorded on "cuda:3", checked against a CPU generator here:
+    refused by type; the same record with "cpu:0"-style spelling of the same type passes."""
+    g = torch.Generator().manual_seed(4)
+    record = rng.capture({"g": g}, include_globals=False)
+    rng.validate(record, {"g": g})
+    record["named"]["g"]["device"] = "cuda:3"
+    with pytest.raises(ts.StateMismatch, match="saved on device 'cuda:3'"):
+        rng.validate(record, {"g": g})
+    record["named"]["g"]["device"] = "cpu:0"  # (before: refused, "cpu:0" is not "cpu")
+    rng.validate(record, {"g": g})
 
 
 def test_a_generator_state_that_is_a_view_into_a_larger_buffer_restores_exactly():

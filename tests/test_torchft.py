@@ -148,7 +148,7 @@ def healed(tmp_path_factory):
     2. SIGKILLed again 3 steps after it healed, restarted with its first stream slowed down, and SIGKILLed while
        receiving it (mid-transfer), restarted with the first stream cut in half;
     3. 3 steps after that heal, both groups SIGKILLed two updates past a save, and restarted from their newest
-       generations; then both run 8 more steps and stop.
+       generations; then both train until group 1 has committed 5 steps past its restart, and 3 more.
 
     Returns the job and every process's committed steps, in launch order, per group."""
     out = tmp_path_factory.mktemp("torchft") / "out"
@@ -172,7 +172,10 @@ def healed(tmp_path_factory):
         job.kill(1)
         job.start(0)
         job.start(1)
-        (out / "stop.json").write_text(json.dumps({"step": step + 8}))
+        for _ in range(5):  # both back and training together for 5 of group 1's commits (however slow the start)
+            job.wait_step(1, lambda s: True, timeout=180)
+        last = max(r["step"] for g in (0, 1) for r in job.steps(g))
+        (out / "stop.json").write_text(json.dumps({"step": max(step + 8, last + 3)}))
         job.finish()
     finally:
         job.stop()

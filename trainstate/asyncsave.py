@@ -99,11 +99,24 @@ class StagingBuffers:
 
     def _buffer(self, name: str, tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
         buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                                 pin_memory=pinned and tensor.device.type == "cuda")
+        pin = pinned and tensor.device.type == "cuda"
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or \
+                buffer.is_pinned() != pin:  # (one allocated for a CPU source stays unpinned otherwise)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[name] = buffer
         return buffer
+
+    def held(self) -> tuple[int, int]:
+        """The host bytes these buffers hold, and how many of them are pinned (page-locked): the staging
+        copies, and a multi-rank save's owned copy of its sharded state (``sharded``, set by its session)."""
+        tensors = list(self._buffers.values()) + tensor_leaves(getattr(self, "sharded", None))
+        return sum(t.nbytes for t in tensors), sum(t.nbytes for t in tensors if t.is_pinned())
+
+    def release(self) -> None:
+        """Drop every buffer. A pinned one goes back to torch's caching host allocator, which keeps the block
+        (rounded up to a power of two) for reuse: :meth:`Writer.shutdown` then asks it to return them."""
+        self._buffers.clear()
+        self.sharded = None
 
     def preallocate(self, tensors: dict[str, torch.Tensor]) -> int:
         """Allocate the buffers ``tensors`` will need and fault their pages in now; returns their bytes.
@@ -151,6 +164,17 @@ class StagingBuffers:
 
 
 _CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The plain tensors of a nested state dict (a DTensor by its local shard)."""
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in tensor_leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in tensor_leaves(v)]
+    if isinstance(tree, torch.Tensor):
+        return [tree.to_local() if hasattr(tree, "to_local") else tree]
+    return []
 
 
 def _copy(buffer: torch.Tensor, tensor: torch.Tensor, non_blocking: bool = False) -> None:
@@ -426,8 +450,23 @@ class Writer:
             return [h.generation for h in self._unreported]
 
     def shutdown(self) -> None:
-        """Finish every save in flight (the writer thread stops by itself once the queue is empty)."""
+        """Finish every save in flight (the writer thread stops by itself once the queue is empty), then let go
+        of every slot's buffers: a closed manager holds no host copy of the state, pinned or not."""
         self.drain()
+        with self._lock:
+            idle = not self._claims and not self._queue
+        if idle:
+            pinned = self.held()[1]
+            for buffers in self._pool:
+                buffers.release()
+            empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
+            if pinned and empty is not None and torch.cuda.is_available():
+                empty()  # the cached pinned blocks back to the system, not kept for a manager that is gone
+
+    def held(self) -> tuple[int, int]:
+        """Host bytes held by every slot's buffers, and how many of them are pinned."""
+        counts = [buffers.held() for buffers in self._pool]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
     def note_unreported(self, failing: BaseException) -> None:
         """Report every unreported failure beside ``failing``, the exception propagating through a close: logged,

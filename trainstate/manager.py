@@ -385,7 +385,8 @@ class CheckpointManager:
                       self._started, self._staged, self._committed, self._writer.in_flight(),
                       tuple(self._writer.unreported()),
                       self._mirror.status(full and parse_generation_name(full)[0]) if self._mirror else None,
-                      self._session.tier_status(self) if self._session is not None else None)
+                      self._session.tier_status(self) if self._session is not None else None,
+                      *self._writer.held())
 
     # restoring ---------------------------------------------------------------
     def restore(self, state: TrainState, *, generation: str | None = None, allow_changes: Iterable[str] = (),

@@ -98,3 +98,5 @@ class Status:
     unreported_failures: tuple[str, ...] = ()
     mirror: Any = None  # a lifecycle.mirror.MirrorStatus when the manager mirrors to a remote store
     tiers: dict | None = None  # node-local tiers: what this node's pointers name per tier (local, replicated)
+    staging_bytes: int = 0  # host memory the background saves' buffers hold (reused from save to save)
+    staging_pinned_bytes: int = 0  # of which page-locked (pinned), when the state is on a GPU

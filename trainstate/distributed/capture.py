@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -136,20 +139,34 @@ def _digest(skeleton: Any, tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _replica_digests(dcp: dict[str, Any]) -> dict[str, str]:
-    """A digest of every replicated (non-DTensor) tensor of the sharded part, by flattened key."""
-    out: dict[str, str] = {}
+    """A fingerprint of every replicated (non-DTensor) tensor of the sharded part, by flattened key: what rank 0
+    compares across ranks to find replicas that diverged (under DDP, every parameter and moment).
+
+    It runs on the training thread at every save, background saves included, so it is made cheap: XXH3-128 (a
+    divergence is not an attack; the fingerprints never leave this save's rounds), the tensors spread over
+    threads (the hash releases the GIL), a CPU tensor read in place."""
+    found: dict[str, torch.Tensor] = {}
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, DTensor):
             return
         if isinstance(node, torch.Tensor):
-            out[path] = _digest(None, {"t": node})
+            found[path] = node
         elif isinstance(node, dict):
             for key, value in node.items():
                 walk(value, f"{path}.{key}")
     for name, value in dcp.items():
         walk(value, name)
-    return out
+    if len(found) < 2 or sum(t.nbytes for t in found.values()) < (8 << 20):
+        return {path: _fingerprint(t) for path, t in found.items()}
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="trainstate-replicas") as pool:
+        return dict(zip(found, pool.map(_fingerprint, found.values())))
+
+
+def _fingerprint(tensor: torch.Tensor) -> str:
+    hasher = xxhash.xxh3_128(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    hasher.update(tensorfile.byte_view(tensor.detach().cpu().contiguous()))
+    return hasher.hexdigest()
 
 
 def _settings(dcp: dict[str, Any]) -> str:
@@ -181,6 +198,12 @@ def capture(state: TrainState, ranks: Ranks, *, weights_only: bool = False, head
     disagree does a third round carry each rank's full report, so that rank 0 can name what differs.
     """
     detail: dict = {}
+    if _gathers_objects(state):  # FSDP1's state dicts run object collectives on its own group: a rank that would
+        try:                     # skip them (its error, or rank 0's) must say so first, or the others hang there
+            error = error or _refusal(state, weights_only)
+        except Exception as exc:  # noqa: BLE001 - agreed below, then raised as it was
+            error = exc
+        ranks.check("capture", error)
     try:
         if error is None:
             dcp, sharded, others, encoded, fields, detail = _local(state, ranks, weights_only)
@@ -244,19 +267,35 @@ def mismatch(details: list[dict]) -> str:
     return "ranks disagree on the components they register; every rank must build the same TrainState"
 
 
-def _local(state: TrainState, ranks: Ranks, weights_only: bool) -> tuple:
-    """What this rank reports before the round: its sharded state, its other components encoded, its contract."""
+def _gathers_objects(state: TrainState) -> bool:
+    """Whether building the DCP state dicts runs collectives (FSDP1's ``all_gather_object`` on its group)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for module in state.modules().values()
+               for m in module.modules())
+
+
+def _refusal(state: TrainState, weights_only: bool) -> PendingGradients | None:
+    """Why this rank cannot be captured now, found without any collective (``None``: it can)."""
     if not weights_only and state.pending_gradients:
-        raise PendingGradients(
+        return PendingGradients(
             "gradients are pending: a backward pass accumulated into .grad since the last optimizer.step(). "
             "A multi-rank checkpoint does not store gradients: save after optimizer.step() (and zero_grad).")
     unaccounted = [f"{m}.{p}" for m, grads in state.unaccounted_gradients().items() for p in grads]
     if not weights_only and unaccounted:
-        raise PendingGradients(
+        return PendingGradients(
             f"{', '.join(unaccounted[:5])}{' ...' if len(unaccounted) > 5 else ''} hold gradients that no registered "
             "optimizer steps, so nothing can tell whether they were consumed, and a multi-rank checkpoint does not "
             "store gradients. Set them to None after your update (model.zero_grad(set_to_none=True)), or register "
             "the optimizer that steps them.")
+    return None
+
+
+def _local(state: TrainState, ranks: Ranks, weights_only: bool) -> tuple:
+    """What this rank reports before the round: its sharded state, its other components encoded, its contract."""
+    refused = _refusal(state, weights_only)
+    if refused is not None:
+        raise refused
     dcp, sharded = sharded_state(state, weights_only=weights_only)
     others = {} if weights_only else {n: c for n, c in state.components.items() if n not in sharded}
     encoded = {}

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+from ..asyncsave import tensor_leaves
 from ..errors import CheckpointFailed, InvalidArgument, TrainStateError
 from ..format.manifest import generation_name
 from ..lifecycle.generations import new_timeline
@@ -129,13 +130,10 @@ class Session:
         allocated and its pages faulted in; returns their bytes. DCP's state dicts are built, as a save builds them:
         every rank calls it."""
         dcp_state = sharded_state(state)[0]
-        live = {t.untyped_storage().data_ptr() for t in _tensors(dcp_state)}
         total = 0
         for buffers in writer.free_buffers():
-            owned = _create_cpu_state_dict(dcp_state, pin_memory=torch.cuda.is_available())
-            for tensor in _tensors(owned):
-                if tensor.untyped_storage().data_ptr() in live:  # torch keeps a 0-d DTensor as it is: the live one
-                    continue
+            owned = _owned_state(dcp_state)
+            for tensor in tensor_leaves(owned):
                 if tensor.numel() and tensor.is_contiguous():
                     tensor.view(-1).view(torch.uint8).fill_(0)  # every page written once: faulted in
                 total += tensor.nbytes
@@ -156,7 +154,7 @@ class Session:
                 raise KeyError
             snap.dcp = _copy_state_dict(snap.dcp, owned)
         except (KeyError, RuntimeError, ValueError, TypeError, AssertionError):  # another layout: new buffers
-            owned = _create_cpu_state_dict(snap.dcp, pin_memory=torch.cuda.is_available())
+            owned = _owned_state(snap.dcp)
             buffers.sharded = owned
             snap.dcp = _copy_state_dict(snap.dcp, owned)
         if torch.cuda.is_available():
@@ -371,12 +369,29 @@ class Session:
 __all__ = ["CheckpointFailed", "DistPending", "Ranks", "Session", "initialized"]
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    """Every tensor leaf of a nested state dict (DTensors by their local shard)."""
+def _owned_state(dcp_state: Any) -> Any:
+    """CPU buffers for an owned copy of ``dcp_state`` (what a background save stages into), none of them the live
+    tensor: torch's ``_create_cpu_state_dict`` hands a 0-d DTensor back as it is (the live one), so the copy
+    would be made onto itself and the writer thread would save whatever the next step left in it."""
+    owned = _create_cpu_state_dict(dcp_state, pin_memory=torch.cuda.is_available())
+    live = {t.untyped_storage().data_ptr() for t in tensor_leaves(dcp_state) if t.numel()}
+    return _unaliased(owned, live)
+
+
+def _unaliased(tree: Any, live: set[int]) -> Any:
     if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    if isinstance(tree, torch.Tensor):
-        return [tree.to_local() if hasattr(tree, "to_local") else tree]
-    return []
+        return type(tree)((k, _unaliased(v, live)) for k, v in tree.items())
+    if isinstance(tree, list):
+        return [_unaliased(v, live) for v in tree]
+    if not isinstance(tree, torch.Tensor) or not tree.numel():
+        return tree
+    local = tree.to_local() if hasattr(tree, "to_local") else tree
+    if local.untyped_storage().data_ptr() not in live:
+        return tree
+    copy = torch.empty_like(local, device="cpu", pin_memory=torch.cuda.is_available())
+    if not hasattr(tree, "to_local"):
+        return copy
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(copy, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape,
+                              stride=tree.stride())

@@ -154,4 +154,9 @@ def _wait_for_every_rank(args) -> None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            if dist.get_backend() == "nccl":  # NCCL's barrier must be told the device, or it guesses one by rank
+                import torch
+
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()

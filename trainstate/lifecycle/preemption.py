@@ -14,6 +14,17 @@ where the state is consistent, saves a full generation and exits with
                 ckpt.save(state)
                 preempt.exit()            # SystemExit(EXIT_PREEMPTED)
 
+In a multi-rank job the ranks see the signal at different moments (one
+before its boundary, another after), so a rank's own flag would send it into
+``save`` while the others go on to the next step's all-reduce, and both wait
+there until the collective timeout. Ask :meth:`PreemptionHandler.agreed`
+instead, on every rank at every boundary: one 8-byte all-reduce on a gloo group
+of the handler's own, true on every rank once any rank was signalled::
+
+            if preempt.agreed():          # every rank, every boundary
+                ckpt.save(state)
+                preempt.exit()
+
 A second signal, or the grace deadline passing before the loop reaches a
 boundary, restores the signal's default action and re-delivers it: the
 process dies at once. That is safe: a save cut short leaves only an
@@ -56,11 +67,30 @@ class PreemptionHandler:
         self.received_at: float | None = None
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
+        self._group: Any = None  # agreed(): a gloo group of this handler's own (CPU flags under NCCL too)
 
     @property
     def requested(self) -> bool:
         """True once a preemption signal arrived: save at this boundary, then :meth:`exit`."""
         return self.received is not None
+
+    def agreed(self, process_group: Any = None) -> bool:
+        """Whether any rank of ``process_group`` (default: every rank) was signalled, the same answer on every
+        rank: a collective, so every rank calls it at the same boundary. Without an initialized process group,
+        :attr:`requested`. The gloo group it reduces on is made at the first call (collective too)."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.requested
+        if self._group is None:
+            self._group = dist.new_group(ranks=None if process_group is None else dist.get_process_group_ranks(
+                process_group), backend="gloo")
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item() and not self.requested:
+            log.warning("a preemption signal reached another rank: saving at this boundary with it")
+        return bool(flag.item())
 
     def __enter__(self) -> PreemptionHandler:
         for sig in self.signals:
@@ -73,6 +103,12 @@ class PreemptionHandler:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:

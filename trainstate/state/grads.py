@@ -50,12 +50,27 @@ def _consumed(param: torch.Tensor) -> _Consumed:
     return weakref.ref(param), weakref.ref(grad), grad._version
 
 
-def _nonzero(grad: torch.Tensor) -> bool:
-    try:
-        values = grad.coalesce().values() if grad.is_sparse else grad
-        return bool(values.any())
-    except (RuntimeError, TypeError, NotImplementedError):
-        return True  # cannot tell (an exotic tensor type): count it as pending, the safe side
+def _nonzero(grads: list[torch.Tensor]) -> list[bool]:
+    """Whether each gradient holds a non-zero value, read with one synchronization per device (not one per
+    gradient: on a GPU each ``.any()`` read back is a sync), a DTensor by its local shard (``.any()`` on the
+    DTensor would all-reduce, once per parameter)."""
+    flags: list[torch.Tensor | bool] = []
+    for grad in grads:
+        local = getattr(grad, "_local_tensor", grad)
+        try:
+            values = local.coalesce().values() if local.is_sparse else local
+            flags.append(values.any())
+        except (RuntimeError, TypeError, NotImplementedError):
+            flags.append(True)  # cannot tell (an exotic tensor type): count it as pending, the safe side
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        if isinstance(flag, torch.Tensor):
+            by_device.setdefault(flag.device, []).append(i)
+    out = [flag if isinstance(flag, bool) else False for flag in flags]
+    for indices in by_device.values():
+        for i, value in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
+            out[i] = bool(value)
+    return out
 
 
 class GradientTracker:
@@ -117,11 +132,13 @@ class GradientTracker:
         if self._restored:
             self._restored = bool(grads)  # zero_grad(set_to_none=True) discarded the restored gradients
             return self._restored
-        for param, grad in grads:
-            if self._unconsumed(param, grad):
-                if _nonzero(grad):
-                    return True
-                self._record[id(param)] = _consumed(param)  # zeroed in place: nothing to lose, no rescan
+        unconsumed = [(param, grad) for param, grad in grads if self._unconsumed(param, grad)]
+        if not unconsumed:
+            return False
+        if any(_nonzero([grad for _, grad in unconsumed])):
+            return True
+        for param, _ in unconsumed:
+            self._record[id(param)] = _consumed(param)  # zeroed in place: nothing to lose, no rescan
         return False
 
     def tracked(self) -> set[int]:

@@ -2,7 +2,14 @@
 
 The global sources are separate streams and each is captured on its own:
 Python ``random``, NumPy's legacy global ``RandomState``, torch's CPU generator
-and one generator per CUDA device. Generators the user creates
+and one generator per CUDA device, once this process has initialized CUDA (a
+job that never touches the GPU does not create a context to save, and restores
+on a machine without one). The CUDA streams are kept by role as well as by
+index: the device this process draws on (``torch.cuda.current_device()``, the
+one ``torchrun`` gives a rank) is recorded, and a restore puts that stream on
+the device the restarted process draws on, whatever its index there (one GPU
+visible per task instead of eight, another rank-to-device mapping).
+:func:`cuda_plan` is that decision, pure. Generators the user creates
 (``numpy.random.default_rng()``, ``torch.Generator``, ``random.Random``) are not
 covered by any global state, so they are passed by name in ``rngs`` and
 captured individually. Restoring validates every source before changing any.
@@ -116,6 +123,12 @@ def _capture_one(rng: Generator) -> dict[str, Any]:
     return {"type": kind, "state": rng.getstate()}
 
 
+def _cuda_in_use() -> bool:
+    """Whether this process has initialized CUDA: only then has it CUDA streams to save (asking for them
+    otherwise would create a context on every visible device)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def capture(named: Mapping[str, Generator], *, include_globals: bool = True) -> dict[str, Any]:
     """Snapshot the global sources (unless disabled) and every named generator."""
     out: dict[str, Any] = {"named": {name: _capture_one(rng) for name, rng in named.items()}}
@@ -123,9 +136,47 @@ def capture(named: Mapping[str, Generator], *, include_globals: bool = True) -> 
         out["python"] = random.getstate()
         out["numpy_global"] = np.random.get_state(legacy=False)
         out["torch_cpu"] = torch.get_rng_state()
-        cuda = torch.cuda.is_available()
+        cuda = _cuda_in_use()
         out["torch_cuda"] = list(torch.cuda.get_rng_state_all()) if cuda else []
+        out["torch_cuda_current"] = torch.cuda.current_device() if cuda else None
     return out
+
+
+def cuda_plan(saved_count: int, saved_current: int | None, live_count: int, live_current: int | None
+              ) -> tuple[dict[int, int], list[str], str | None]:
+    """Which saved CUDA stream goes on which live device: ``({live index: saved index}, warnings, refusal)``.
+
+    The stream of the device the saving process drew on (``saved_current``) goes on the device this process
+    draws on (``live_current``), whatever their indices; with as many devices on both sides, every other stream
+    by its index. A record without the saving process's device (written before it was recorded) maps by index
+    only, so it needs the same number of devices. ``refusal`` (a reason) when no exact continuation is possible:
+    no CUDA here, or an old record and another device count."""
+    if saved_count == 0:
+        return {}, [], None
+    if live_count == 0 or live_current is None:
+        return {}, [], (f"the checkpoint holds RNG streams for {saved_count} CUDA device(s) but this process sees "
+                        "none")
+    same_count = saved_count == live_count
+    if saved_current is None or not 0 <= saved_current < saved_count:
+        if same_count:
+            return {i: i for i in range(live_count)}, [], None
+        return {}, [], (f"the checkpoint holds RNG streams for {saved_count} CUDA device(s), by index only (written "
+                        f"before the device each process draws on was recorded), but this process sees {live_count}")
+    plan = {i: i for i in range(live_count)} if same_count else {}
+    plan[live_current] = saved_current
+    warnings = [] if same_count or live_count == 1 else [
+        f"this process's CUDA device (cuda:{live_current}) continues the stream of the device the saving process "
+        f"drew on (cuda:{saved_current}); the {live_count - 1} other visible device(s) here were not given a saved "
+        f"stream ({saved_count} saved): if this process draws on them too, their randomness continues "
+        "statistically, not bitwise"]
+    return plan, warnings, None
+
+
+def _live_cuda() -> tuple[int, int | None]:
+    """This process's visible CUDA devices and the one it draws on (``(0, None)`` without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0, None
+    return torch.cuda.device_count(), torch.cuda.current_device()
 
 
 def restore(saved: Mapping[str, Any], named: Mapping[str, Generator], *, statistical_cuda: bool = False,
@@ -143,17 +194,12 @@ def restore(saved: Mapping[str, Any], named: Mapping[str, Generator], *, statist
     return warnings
 
 
-def _live_cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def apply_validated(saved: Mapping[str, Any], named: Mapping[str, Generator], *, restore_cuda: bool = True,
                     restore_globals: bool = True) -> None:
     """Set every generator from a record that :func:`validate` already accepted.
 
-    The CUDA streams are set only where this process sees as many devices as
-    were saved (validation refused a difference, unless it was accepted as a
-    statistical continuation).
+    The CUDA streams are set as :func:`cuda_plan` maps them (validation refused
+    what it could not map, unless it was accepted as a statistical continuation).
     """
     for name, rng in named.items():
         _restore_one(rng, saved["named"][name])
@@ -161,24 +207,29 @@ def apply_validated(saved: Mapping[str, Any], named: Mapping[str, Generator], *,
         random.setstate(saved["python"])
         np.random.set_state(saved["numpy_global"])
         torch.set_rng_state(_own(saved["torch_cpu"]))
-        if saved["torch_cuda"] and restore_cuda and len(saved["torch_cuda"]) == _live_cuda_count():
-            torch.cuda.set_rng_state_all([_own(t) for t in saved["torch_cuda"]])
+        if saved["torch_cuda"] and restore_cuda:
+            plan, _, refusal = cuda_plan(len(saved["torch_cuda"]), saved.get("torch_cuda_current"), *_live_cuda())
+            if refusal is None:
+                for live, index in plan.items():
+                    torch.cuda.set_rng_state(_own(saved["torch_cuda"][index]), live)
 
 
 def _check_cuda(saved: Mapping[str, Any], statistical_cuda: bool) -> list[str]:
     if "torch_cuda" not in saved:
         return []
-    count = len(saved["torch_cuda"])
-    live = _live_cuda_count()
-    if count == live:
+    count, current = len(saved["torch_cuda"]), saved.get("torch_cuda_current")
+    if not count:  # (asking for this process's device would initialize CUDA: a CPU job stays off the GPU)
         return []
+    if current is not None and (type(current) is not int or not 0 <= current < count):
+        raise StateMismatch(f"the checkpoint's RNG record names CUDA device {current!r} of {count}")
+    _, warnings, refusal = cuda_plan(count, current, *_live_cuda())
+    if refusal is None:
+        return warnings
     if not statistical_cuda:
         raise TopologyMismatch(
-            f"the checkpoint holds RNG streams for {count} CUDA device(s) but this process sees {live}; "
-            "exact continuation needs the same devices. Pass rng_statistical_cuda=True to restore() "
-            "to accept a statistical continuation of CUDA randomness.")
-    return [f"CUDA RNG streams not restored ({count} saved, {live} present): "
-            "CUDA randomness continues statistically, not bitwise"]
+            f"{refusal}; exact continuation needs that stream on this process's device. Pass "
+            "rng_statistical_cuda=True to restore() to accept a statistical continuation of CUDA randomness.")
+    return [f"CUDA RNG streams not restored ({refusal}): CUDA randomness continues statistically, not bitwise"]
 
 
 def _check_globals(saved: Mapping[str, Any], restore_globals: bool) -> list[str]:
@@ -229,7 +280,8 @@ def validate(saved: Mapping[str, Any], named: Mapping[str, Generator], *,
             if saved_bits != live_bits:
                 raise StateMismatch(f"rngs[{name!r}]: the checkpoint's bit generator is {saved_bits!r}, "
                                     f"this run's is {live_bits!r}")
-        if record["type"] == "torch.Generator" and record.get("device") != str(rng.device):
+        if record["type"] == "torch.Generator" and _device_type(record.get("device")) != rng.device.type:
+            # (a CUDA generator's state is its seed and offset: the same on any index, so only the type counts)
             raise StateMismatch(f"rngs[{name!r}]: saved on device {record.get('device')!r}, "
                                 f"this generator is on {str(rng.device)!r}")
     if "python" in saved and not {"numpy_global", "torch_cpu", "torch_cuda"} <= set(saved):
@@ -282,7 +334,39 @@ def _restore_one(rng: Generator, record: dict) -> None:
         rng.setstate(record["state"])
 
 
+def keep_dtensor_streams(modules: Mapping[str, Any]) -> bool:
+    """After the CUDA streams were restored: create DTensor's RNG tracker now, without its state sync, if a module
+    holds DTensors on a CUDA-like mesh and no tracker exists yet. torch creates it lazily at the first DTensor
+    random op (tensor-parallel dropout) with ``run_state_sync=True``, which broadcasts rank 0's stream onto every
+    rank: after a restore that would overwrite what each rank restored (the uninterrupted run synced once, at its
+    start, and each rank's stream went its own way since). Returns whether it created one."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _random as dtensor_random
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    if getattr(dtensor_random, "_rng_tracker", None) is not None or not hasattr(dtensor_random, "OffsetBasedRNGTracker"):
+        return False
+    for module in modules.values():
+        for param in module.parameters():
+            if isinstance(param, DTensor) and param.device_mesh.device_type != "cpu":
+                dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(param.device_mesh,
+                                                                                    run_state_sync=False)
+                return True
+    return False
+
+
+def _device_type(name: object) -> str | None:
+    try:
+        return torch.device(name).type if type(name) is str else None
+    except (RuntimeError, ValueError):
+        return None
+
+
 def _own(state: torch.Tensor) -> torch.Tensor:
-    """``state`` with a storage of its own: torch's ``set_state`` reads a byte tensor's storage from its start, so a
+    """``state`` on the CPU with a storage of its own: torch's ``set_state`` takes a CPU byte tensor (Lightning's
+    ``map_location="cuda"`` moves the callback's RNG states to the GPU) and reads its storage from its start, so a
     view into a larger buffer (a heal's received body) would hand it the wrong bytes."""
+    if isinstance(state, torch.Tensor) and state.device.type != "cpu":
+        state = state.cpu()
     return state if state.storage_offset() == 0 and state.is_contiguous() else state.clone()

@@ -295,6 +295,8 @@ def apply(state: TrainState, payload: dict[str, Any], *, statistical_cuda: bool 
     state.history = list(payload["history"])
     if apply_rng:
         rng_mod.apply_validated(rng_saved, state.rngs, restore_globals=state.capture_global_rngs)
+        if state.capture_global_rngs and rng_saved.get("torch_cuda"):
+            rng_mod.keep_dtensor_streams(state.modules())  # TP dropout continues each rank's restored stream
     return warnings
 
 

@@ -145,7 +145,10 @@ def peek_draws(state: TrainState) -> dict[str, torch.Tensor]:
     legacy.set_state(np.random.get_state())
     out["rng/numpy_global"] = torch.from_numpy(legacy.random_sample(DRAWS))
     out["rng/torch_cpu"] = torch.rand(DRAWS, dtype=torch.float64, generator=_copy_torch(torch.default_generator))
-    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+    # the stream of the device this process draws on, once it has initialized CUDA (as the checkpoint records
+    # it): drawing on every visible device would create a context on each, in every child the doctor runs
+    in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+    for i in [torch.cuda.current_device()] if in_use else []:
         g = torch.Generator(device=f"cuda:{i}")
         g.set_state(torch.cuda.get_rng_state(i))
         out[f"rng/torch_cuda.{i}"] = torch.rand(DRAWS, dtype=torch.float64, generator=g, device=f"cuda:{i}").cpu()
