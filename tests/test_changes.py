@@ -197,3 +197,29 @@ def test_values_not_layout_decide():
     assert changes.fingerprints({"c": c.conj()})["c"] == changes.fingerprints({"c": c.conj().resolve_conj()})["c"]
     empty = changes.fingerprints({"e": torch.empty(0, 3)})["e"]
     assert changes.Fingerprint.from_json(empty.to_json()) == empty
+
+
+def test_tensors_that_need_a_copy_are_fingerprinted_in_bounded_batches(monkeypatch):
+    """Views (as a GPU state would be) are copied a batch at a time, never the whole state at once, and the
+    fingerprints are those of the unbatched pass. Control: the batch bound raised, one pass holds every copy."""
+    torch.manual_seed(0)
+    bases = [torch.randn(256, 256) for _ in range(8)]  # 256 KiB each
+    tensors = {f"t{i}": b.t() for i, b in enumerate(bases)}  # non-contiguous: each needs a copy
+    tensors["plain"] = torch.randn(1000)
+    held: list[int] = []
+    real = changes._fingerprints
+
+    def counting(values, threads):
+        held.append(sum(v.nbytes for n, v in values.items() if n != "plain"))
+        return real(values, threads)
+
+    monkeypatch.setattr(changes, "_fingerprints", counting)
+    monkeypatch.setattr(changes, "COPY_BATCH_BYTES", 600 << 10)
+    batched = changes.fingerprints(tensors)
+    assert max(held) <= 600 << 10 and len(held) >= 4, held
+    held.clear()
+    monkeypatch.setattr(changes, "COPY_BATCH_BYTES", 1 << 40)
+    whole = changes.fingerprints(tensors)
+    assert held == [8 * (256 << 10)]  # the control: every copy at once
+    assert batched == whole and list(batched) == list(tensors)
+    assert whole == {n: changes.fingerprints({n: t.contiguous()})[n] for n, t in tensors.items()}

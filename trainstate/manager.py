@@ -382,8 +382,7 @@ class CheckpointManager:
                       anchors.get("weights"), len(self.store.generations()), self.lifecycle.pins(), self.best(),
                       self._clock.saves[-1] if self._clock.saves else None, self._clock.mean(self._clock.saves),
                       self._clock.mean(self._clock.updates), self._interval() if self.cadence else None,
-                      self._started, self._staged, self._committed, self._writer.in_flight(),
-                      tuple(self._writer.unreported()),
+                      self._started, self._staged, self._committed, self._writer.in_flight(), tuple(self._writer.unreported()),
                       self._mirror.status(full and parse_generation_name(full)[0]) if self._mirror else None,
                       self._session.tier_status(self) if self._session is not None else None,
                       *self._writer.held())

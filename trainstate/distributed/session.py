@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-from ..asyncsave import tensor_leaves
+from ..state.staging import tensor_leaves
 from ..errors import CheckpointFailed, InvalidArgument, TrainStateError
 from ..format.manifest import generation_name
 from ..lifecycle.generations import new_timeline

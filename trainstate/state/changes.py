@@ -50,6 +50,7 @@ import xxhash
 
 PIECE_BYTES = 16 << 20  # one hashing task: small enough to spread a large tensor over every core
 THREADS = 1  # see the module docstring; ``fingerprints(threads=N)`` spreads the pieces over N threads
+COPY_BATCH_BYTES = 256 << 20  # the most a fingerprint pass copies at once (a GPU state, views): then hashed, let go
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,33 @@ def _combine(hashes: list[bytes]) -> str:
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor], *, threads: int | None = None) -> dict[str, Fingerprint]:
-    """The fingerprint of every tensor, its pieces hashed on ``threads`` threads (default ``THREADS``)."""
-    values = {name: _values(t) for name, t in tensors.items()}
+    """The fingerprint of every tensor, its pieces hashed on ``threads`` threads (default ``THREADS``).
+
+    A tensor read in place (contiguous, on the CPU) costs no memory; one that needs a copy first (on a GPU, or
+    a non-contiguous view) is copied in batches of at most ``COPY_BATCH_BYTES``, hashed and let go before the
+    next batch, so the host never holds a copy of the whole state (a GPU state's peak was all of it)."""
+    out: dict[str, Fingerprint] = {}
+    batch: dict[str, torch.Tensor] = {}
+    held = 0
+    for name, tensor in tensors.items():
+        if not _copied(tensor):
+            batch[name] = tensor
+            continue
+        if held and held + tensor.nbytes > COPY_BATCH_BYTES:
+            out.update(_fingerprints({n: _values(t) for n, t in batch.items()}, threads))
+            batch, held = {}, 0
+        batch[name] = tensor
+        held += tensor.nbytes
+    out.update(_fingerprints({n: _values(t) for n, t in batch.items()}, threads))
+    return {name: out[name] for name in tensors}
+
+
+def _copied(tensor: torch.Tensor) -> bool:
+    """Whether :func:`_values` copies ``tensor`` (another device, another layout, a lazy conj or neg)."""
+    return tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg()
+
+
+def _fingerprints(values: Mapping[str, torch.Tensor], threads: int | None) -> dict[str, Fingerprint]:
     jobs = [(name, i, piece) for name, v in values.items() for i, piece in enumerate(_pieces(_bytes(v)))]
     hashed: dict[str, dict[int, bytes]] = {name: {} for name in values}
 
