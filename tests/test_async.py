@@ -49,7 +49,7 @@ from trainer import assert_same, build, full_state, step
 import trainstate as ts
 import trainstate.publish as publish_mod
 from trainstate.state import rng as rng_mod
-from trainstate.asyncsave import StagingBuffers
+from trainstate.state.staging import StagingBuffers
 from trainstate.format.codec import TensorTable, encode
 from trainstate.errors import CorruptGeneration
 from trainstate.storage.local import LocalStore, PosixOps

@@ -50,6 +50,7 @@ import torch
 
 import trainstate as ts
 from trainstate import asyncsave, manager, publish
+from trainstate.state import staging
 from trainstate.format.manifest import generation_name
 from trainstate.storage.local import LocalStore, PosixOps
 from trainstate.storage.verify import verify_generation
@@ -129,9 +130,10 @@ def _source(module) -> str:
     return os.path.realpath(module.__file__)
 
 
-# Whose code a sweep interrupts: the hand-off's own code, the part of publish that changes the
-# state before the hand-off, and the standard library's synchronisation code, should any run on the way.
-OWN = {_source(asyncsave): None, _source(manager): None, _source(publish): {"prepare", "roll_back"}}
+# Whose code a sweep interrupts: the hand-off's own code and its staging copy, the part of publish that changes
+# the state before the hand-off, and the standard library's synchronisation code, should any run on the way.
+OWN = {_source(asyncsave): None, _source(staging): None, _source(manager): None,
+       _source(publish): {"prepare", "roll_back"}}
 STDLIB = (os.path.realpath(threading.__file__), os.path.dirname(os.path.realpath(concurrent.futures.__file__)))
 
 
@@ -651,7 +653,7 @@ def test_sigint_anywhere_in_a_background_save_leaks_nothing(scenarios):
         sweep = result[writer]
         # both sides of the hand-off were hit, up to the end of save()
         assert sweep["placements"] > 50 and sweep["abandoned"] > 40 and sweep["published"] >= 3, sweep
-        reached = {"manager.py:save", "asyncsave.py:reserve", "publish.py:prepare", "asyncsave.py:stage",
+        reached = {"manager.py:save", "asyncsave.py:reserve", "publish.py:prepare", "staging.py:stage",
                    "asyncsave.py:hand_off"} | ({"asyncsave.py:_start_writer"} if writer == "idle" else set())
         assert reached <= set(sweep["landed"]), sweep
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import trainstate as ts
-from trainstate.asyncsave import StagingBuffers
+from trainstate.state.staging import StagingBuffers
 from trainstate.state import rng
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
